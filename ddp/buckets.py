@@ -1,0 +1,76 @@
+"""Bucket layout: which gradients travel together in one all-reduce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """Gradients of several parameters, flattened into one buffer for one all-reduce."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]  # element offset of each parameter's gradient in `buffer`
+    buffer: torch.Tensor  # flat, one dtype and device, numel = sum of the params' numel
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+
+    def view_of(self, i: int) -> torch.Tensor:
+        """The slice of `buffer` that holds parameter i's gradient, shaped like it."""
+        param = self.params[i]
+        return self.buffer.narrow(0, self.offsets[i], param.numel()).view(param.shape)
+
+
+def assign_buckets(
+    named_params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
+) -> list[Bucket]:
+    """Group gradients into buckets of at most `bucket_cap_mb` MiB each.
+
+    Parameters are taken in reverse order because backward produces gradients roughly
+    last layer first, so the first bucket fills first. A bucket holds one dtype on one
+    device (a flat buffer has one of each); a parameter larger than the cap gets a
+    bucket of its own. Frozen parameters have no gradient and no bucket."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
+    cap_bytes = bucket_cap_mb * 2**20  # MiB of gradient bytes, as in torch's DDP
+    closed: list[list[tuple[str, nn.Parameter]]] = []
+    open_by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    for name, param in reversed(named_params):
+        if not param.requires_grad:
+            continue
+        kind = (param.dtype, param.device)
+        members = open_by_kind.setdefault(kind, [])
+        nbytes = sum(p.numel() * p.element_size() for _, p in members)
+        if members and nbytes + param.numel() * param.element_size() > cap_bytes:
+            closed.append(members)
+            members = open_by_kind[kind] = []
+        members.append((name, param))
+    closed.extend(members for members in open_by_kind.values() if members)
+    # All ranks must all-reduce buckets in the same order: order them by where their
+    # first parameter stands in the reversed parameter list, which every rank shares.
+    position = {id(p): i for i, (_, p) in enumerate(reversed(named_params))}
+    closed.sort(key=lambda members: position[id(members[0][1])])
+    return [_make_bucket(index, members) for index, members in enumerate(closed)]
+
+
+def _make_bucket(index: int, members: list[tuple[str, nn.Parameter]]) -> Bucket:
+    offsets, numel = [], 0
+    for _, param in members:
+        offsets.append(numel)
+        numel += param.numel()
+    first = members[0][1]
+    buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    return Bucket(
+        index=index,
+        names=[name for name, _ in members],
+        params=[param for _, param in members],
+        offsets=offsets,
+        buffer=buffer,
+    )

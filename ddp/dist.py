@@ -1,0 +1,139 @@
+"""Process groups and the two things every stage does at construction:
+make all replicas start identical, and check that they are the same model."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def setup_process_group(backend: str = "auto") -> torch.device:
+    """Join the process group that torchrun describes in the environment.
+
+    `backend="auto"` picks NCCL with one GPU per LOCAL_RANK when CUDA is there,
+    Gloo on CPU otherwise. Returns the device this rank computes on."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"{var} is not set: launch with torchrun, e.g. "
+                "`torchrun --standalone --nproc-per-node 2 -m stages.naive`"
+            )
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend nccl needs CUDA; use --backend gloo on CPU")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    elif backend == "gloo":
+        device = torch.device("cpu")
+    else:
+        raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return device
+
+
+def require_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group a stage communicates over: the one given, else the default one."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group is initialised: call torch.distributed.init_process_group "
+            "(or ddp.dist.setup_process_group under torchrun) before wrapping the model"
+        )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def in_place_collective(tensor: torch.Tensor, collective: Callable[[torch.Tensor], object]) -> None:
+    """Run `collective` on `tensor` in place, through a contiguous copy when needed.
+
+    Collectives take dense contiguous buffers; a transposed parameter is neither."""
+    if tensor.is_contiguous():
+        collective(tensor)
+    else:
+        buffer = tensor.contiguous()
+        collective(buffer)
+        tensor.copy_(buffer)
+
+
+def check_same_parameters(module: nn.Module, process_group: dist.ProcessGroup) -> None:
+    """Raise on every rank if any rank's parameters differ in name, shape, dtype or order.
+
+    Every rank gathers every rank's description, so every rank raises the same error
+    instead of some ranks raising while others wait in a collective forever."""
+    mine = [
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in module.named_parameters()
+    ]
+    everyone: list[list | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, mine, group=process_group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for i, (ref, other) in enumerate(zip(reference, theirs, strict=False)):
+            if ref != other:
+                raise ValueError(
+                    f"models differ across ranks: parameter {i} is "
+                    f"{_describe(ref)} on rank 0 but {_describe(other)} on rank {rank}; "
+                    "every rank must build the same model"
+                )
+        if len(reference) != len(theirs):
+            raise ValueError(
+                f"models differ across ranks: rank 0 has {len(reference)} parameters, "
+                f"rank {rank} has {len(theirs)}; every rank must build the same model"
+            )
+
+
+def _describe(entry: tuple) -> str:
+    name, shape, dtype, requires_grad = entry
+    frozen = "" if requires_grad else ", frozen"
+    return f"'{name}' {list(shape)} {dtype}{frozen}"
+
+
+def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup) -> None:
+    """Copy rank 0's parameters and buffers to every rank.
+
+    Ranks seed differently (torch.initial_seed() differs per process), so without this
+    replicas start from different weights and never agree."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            in_place_collective(
+                tensor, lambda t: dist.broadcast(t, group=process_group, group_src=0)
+            )
+
+
+def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank when every parameter is bit-identical to rank 0's.
+
+    Buffers are left out on purpose: BatchNorm's running statistics are per worker
+    (each sees its own slice of the batch), in torch's DDP as here."""
+    group = require_process_group(process_group)
+    mismatches = torch.zeros(1, device=_collective_device(group))
+    with torch.no_grad():
+        for tensor in module.parameters():
+            rank0 = tensor.detach().clone().contiguous()
+            dist.broadcast(rank0, group=group, group_src=0)
+            if not torch.equal(rank0, tensor.detach()):
+                mismatches += 1
+    dist.all_reduce(mismatches, group=group)
+    return bool(mismatches.item() == 0)
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def teardown_process_group() -> None:
+    """Destroy the process group, after freeing every object that still refers to it.
+
+    A Gloo group still referenced (from a stage's reference cycle, say) is freed only at
+    interpreter shutdown, where its threads abort the process ("terminate called without
+    an active exception"). Collecting first lets it die while Python is still alive."""
+    gc.collect()
+    dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""The training loop every stage runs under torchrun, and the compute-only floor."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddp.config import Config, parse_config
+from ddp.data import rank_batch
+from ddp.dist import (
+    broadcast_module_states,
+    replicas_identical,
+    require_process_group,
+    setup_process_group,
+    teardown_process_group,
+)
+from ddp.models import build_model
+
+Wrap = Callable[[nn.Module, Config], nn.Module]
+
+
+class ComputeOnly(nn.Module):
+    """The same step with no gradient communication: the floor every stage is measured
+    against. Replicas start identical and then drift apart, by design."""
+
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.module = module
+        broadcast_module_states(module, require_process_group(process_group))
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
+@dataclass
+class RunResult:
+    name: str
+    step_times_s: list[float]  # per timed step, the slowest rank's time
+    replicas_identical: bool
+    final_loss: float
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_times_s)
+
+
+def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult:
+    """Train `cfg.model` wrapped by `wrap` for cfg.warmup_steps + cfg.steps steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Seed the model per rank on purpose: the wrapper must make replicas identical.
+    torch.manual_seed(cfg.seed * 1000 + rank)
+    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth).to(device)
+    wrapped = wrap(model, cfg)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
+    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+    times = []
+    for step in range(cfg.warmup_steps + cfg.steps):
+        inputs, labels = rank_batch(model, cfg.batch_size * world, step, rank, world, cfg.seed)
+        inputs, labels = inputs.to(device), labels.to(device)
+        _synchronize(device)
+        start = time.perf_counter()
+        loss = F.cross_entropy(wrapped(inputs), labels)
+        loss.backward()
+        finish()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _synchronize(device)
+        if step >= cfg.warmup_steps:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return RunResult(
+        name=name,
+        step_times_s=slowest.tolist(),
+        replicas_identical=replicas_identical(model),
+        final_loss=loss.item(),
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stage_wrap(stage_cls: type[nn.Module]) -> Wrap:
+    return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+
+
+def torch_ddp_wrap(model: nn.Module, cfg: Config) -> nn.Module:
+    device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb
+    )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def print_table(results: list[RunResult], cfg: Config, reference: str | None = None) -> None:
+    """Rank 0 prints one row per run: median step time, ratio to `reference`, replicas."""
+    if dist.get_rank() != 0:
+        return
+    base = next((r.median_step_s for r in results if r.name == reference), None)
+    print(
+        f"\nmodel={cfg.model} world={dist.get_world_size()} backend={dist.get_backend()} "
+        f"per-rank batch={cfg.batch_size} bucket_cap_mb={cfg.bucket_cap_mb} "
+        f"steps={cfg.steps} (median of the slowest rank per step)"
+    )
+    header = f"{'run':<14} {'step ms':>9}" + (f" {'vs ' + reference:>16}" if base else "")
+    print(header + f" {'replicas identical':>20}")
+    for r in results:
+        ratio = f" {r.median_step_s / base:>15.2f}x" if base else ""
+        agree = "n/a (no sync)" if r.name == "compute_only" else str(r.replicas_identical)
+        print(f"{r.name:<14} {r.median_step_s * 1e3:>9.2f}{ratio} {agree:>20}")
+
+
+def main(stage_name: str, argv: list[str] | None = None) -> RunResult:
+    """What `torchrun ... -m stages.<name>` runs: train, then report and check."""
+    from stages import STAGES
+
+    stage_cls = STAGES[stage_name]
+    cfg = parse_config(argv, description=stage_cls.__doc__)
+    device = setup_process_group(cfg.backend)
+    try:
+        result = train(stage_name, stage_wrap(stage_cls), cfg, device)
+        print_table([result], cfg)
+        if not result.replicas_identical:
+            raise SystemExit(f"rank {os.environ['RANK']}: replicas differ after training")
+        return result
+    finally:
+        teardown_process_group()

@@ -1,0 +1,99 @@
+"""Stage 1, naive: after backward, one all-reduce per parameter gradient.
+
+The whole idea of data parallelism in one file: every rank holds a full replica,
+trains on its own slice of the batch, and averages gradients with the others before
+the optimizer step, so the replicas stay identical.
+
+    torchrun --standalone --nproc-per-node 2 -m stages.naive --model mlp --steps 20
+
+Cost: one collective per parameter, each paying the full latency of a round trip, and
+none of it starts until backward has finished.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.dist import (
+    broadcast_module_states,
+    check_same_parameters,
+    in_place_collective,
+    require_process_group,
+)
+
+
+# --8<-- [start:construction]
+class NaiveDDP(nn.Module):
+    """Stage 1: all-reduce every parameter's gradient after backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+    ):
+        super().__init__()
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
+        self.module = module
+        self.process_group = require_process_group(process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.bucket_cap_mb = bucket_cap_mb  # unused here: no buckets yet
+        check_same_parameters(module, self.process_group)
+        broadcast_module_states(module, self.process_group)
+        # Tied weights appear once in named_parameters(), so each gradient is sent once.
+        self.named_trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._awaiting_sync = False  # a forward ran whose gradients are not yet averaged
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:forward]
+    def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            if self._awaiting_sync:
+                raise RuntimeError(
+                    f"{type(self).__name__}: forward called again before "
+                    "finish_gradient_synchronization(); call it after each loss.backward()"
+                )
+            self._awaiting_sync = True
+        return self.module(*inputs, **kwargs)
+
+    # --8<-- [end:forward]
+
+    # --8<-- [start:finish]
+    def finish_gradient_synchronization(self) -> None:
+        """Average every gradient over the ranks. Call after loss.backward()."""
+        self._start_synchronization()
+        for _, param in self.named_trainable:
+            in_place_collective(param.grad, lambda g: dist.all_reduce(g, group=self.process_group))
+            param.grad.div_(self.world_size)  # sum -> mean: each rank's loss is a local mean
+
+    # --8<-- [end:finish]
+
+    def _start_synchronization(self) -> None:
+        """Check that a backward happened and every gradient exists, before any collective.
+
+        A missing gradient would otherwise hang the other ranks in a collective this rank
+        never joins (or silently leave a stale gradient in place)."""
+        if not self._awaiting_sync:
+            raise RuntimeError(
+                f"{type(self).__name__}: finish_gradient_synchronization() called without a "
+                "forward and backward before it (or twice for the same backward)"
+            )
+        self._awaiting_sync = False
+        missing = [name for name, p in self.named_trainable if p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameters {missing} got no gradient in this backward "
+                f"on rank {dist.get_rank(self.process_group)}; every trainable parameter must take "
+                "part in the loss (freeze it with requires_grad_(False) if it should not train)"
+            )
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("naive")

@@ -1,0 +1,128 @@
+"""Stage 3, overlapped: buckets are all-reduced while backward is still running.
+
+Backward produces gradients last layer first. As soon as every gradient of a bucket is
+there, its all-reduce can start asynchronously while autograd computes the gradients
+of earlier layers: communication hides behind computation (the paper's section 3.2.3).
+A hook on each parameter marks its gradient ready; a callback at the end of backward
+waits for the buckets in flight and writes the averages back into `.grad`. So this
+stage finishes inside backward, and a loop written for torch's DDP,
+`loss.backward(); optimizer.step()`, works unchanged.
+
+    torchrun --standalone --nproc-per-node 2 -m stages.overlapped --model cnn
+
+Every rank must launch the buckets in the same order, because collectives are matched
+by the order they are issued in: a bucket that fills early waits for the buckets
+before it. Cost: the bucket order only approximates the order gradients are ready in.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from ddp.buckets import Bucket
+from stages.bucketed import BucketedDDP
+
+
+# --8<-- [start:construction]
+class OverlappedDDP(BucketedDDP):
+    """Stage 3: launch each bucket's all-reduce from backward, as soon as it is full."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+    ):
+        super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+        # Fires once per backward, after the parameter's gradient is summed into .grad
+        # (once even for tied weights that receive gradient from two places).
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket, i))
+            for bucket in self.buckets
+            for i, param in enumerate(bucket.params)
+        ]
+        self._prepare_for_backward()
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:forward]
+    def forward(self, *inputs, **kwargs):
+        output = super().forward(*inputs, **kwargs)
+        if torch.is_grad_enabled():
+            self._prepare_for_backward()
+        return output
+
+    def _prepare_for_backward(self) -> None:
+        self._ready = [[False] * len(b.params) for b in self.buckets]
+        self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
+        self._next_bucket = 0  # the next bucket to launch, in bucket order on every rank
+        self._in_flight: list[tuple[Bucket, dist.Work]] = []
+        self._finish_queued = False
+
+    # --8<-- [end:forward]
+
+    # --8<-- [start:backward]
+    def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
+        if not self._awaiting_sync:
+            raise RuntimeError(
+                f"{type(self).__name__}: gradient of '{bucket.names[i]}' computed without a "
+                "forward before it; run forward once per backward"
+            )
+        if not self._finish_queued:  # runs once, when this whole backward is done
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._finish_queued = True
+        bucket.view_of(i).copy_(param.grad)
+        self._ready[bucket.index][i] = True
+        self._pending[bucket.index] -= 1
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+            ready = self.buckets[self._next_bucket]
+            work = dist.all_reduce(ready.buffer, group=self.process_group, async_op=True)
+            self._in_flight.append((ready, work))
+            self._next_bucket += 1
+
+    # --8<-- [end:backward]
+
+    # --8<-- [start:finish]
+    def _finish_backward(self) -> None:
+        self._awaiting_sync = False
+        for _, work in self._in_flight:
+            work.wait()  # even on error below: leave no collective half-finished
+        missing = [
+            name
+            for bucket in self.buckets
+            for name, ready in zip(bucket.names, self._ready[bucket.index], strict=True)
+            if not ready
+        ]
+        if missing:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameters {missing} got no gradient in this backward "
+                f"on rank {dist.get_rank(self.process_group)}, so their buckets never filled; "
+                "every trainable parameter must take part in the loss (freeze it with "
+                "requires_grad_(False) if it should not train)"
+            )
+        for bucket, _ in self._in_flight:
+            bucket.buffer.div_(self.world_size)
+            for i, param in enumerate(bucket.params):
+                param.grad.copy_(bucket.view_of(i))
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing left to do after loss.backward(): its last callback finished it."""
+        if self._awaiting_sync:
+            raise RuntimeError(
+                f"{type(self).__name__}: finish_gradient_synchronization() called after "
+                "forward but before loss.backward()"
+            )
+
+    # --8<-- [end:finish]
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("overlapped")

@@ -1,0 +1,79 @@
+"""Stage 4, skip_sync: `no_sync()` accumulates gradients locally, with no communication.
+
+With gradient accumulation, averaging after every micro-batch is wasted work: only the
+sum over the micro-batches matters. Inside `no_sync()`, backward leaves gradients in
+`.grad` to accumulate; the first backward outside it all-reduces the accumulated sum
+(the paper's section 3.2.4). As in torch's DDP, the flag `require_backward_grad_sync`
+is read at forward time: a backward syncs or not according to the forward that built it.
+
+    torchrun --standalone --nproc-per-node 2 -m stages.skip_sync --model mlp
+
+    with model.no_sync():
+        for x, y in micro_batches[:-1]:
+            loss_fn(model(x), y).backward()  # local accumulation only
+    loss_fn(model(x_last), y_last).backward()  # all-reduces the sum
+
+Cost: replicas hold different gradients between synchronisations (parameters stay
+identical, since the optimizer only steps after a synced backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch import nn
+
+from ddp.buckets import Bucket
+from stages.overlapped import OverlappedDDP
+
+
+# --8<-- [start:construction]
+class SkipSyncDDP(OverlappedDDP):
+    """Stage 4: overlapped buckets, plus `no_sync()` for gradient accumulation."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+    ):
+        super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+        self.require_backward_grad_sync = True  # torch DDP's name; no_sync() clears it
+        self._sync_this_backward = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward and backward inside accumulate gradients locally; no collective runs."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:forward]
+    def forward(self, *inputs, **kwargs):
+        self._sync_this_backward = self.require_backward_grad_sync  # read at forward time
+        if self._sync_this_backward:
+            return super().forward(*inputs, **kwargs)
+        return self.module(*inputs, **kwargs)
+
+    # --8<-- [end:forward]
+
+    # --8<-- [start:backward]
+    def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
+        if self._sync_this_backward:  # else the gradient just stays in .grad, summed
+            super()._on_grad_ready(bucket, i, param)
+
+    # --8<-- [end:backward]
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("skip_sync")
