@@ -1,0 +1,236 @@
+"""mkdocs hook: write each stage page's "what changed" section from the code itself.
+
+A page says `{{ stage_diff("bucketed") }}`; the build replaces it with one unified diff
+per method whose definition changed between the previous stage in `stages.STAGES` and
+this one. The stages are subclasses, each file holding only its new idea, so this diff
+*is* the idea, and it cannot go stale: it is computed from the classes on every build.
+
+Also makes relative `pymdownx.snippets` base paths relative to mkdocs.yml, so the build
+works from any directory, not only the repository root.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import linecache
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from mkdocs.exceptions import PluginError
+
+PLACEHOLDER = re.compile(r"\{\{\s*stage_diff\((?P<arg>.*?)\)\s*\}\}")
+QUOTED_NAME = re.compile(r"""\s*(?P<q>["'])(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P=q)\s*""")
+LEFTOVER = re.compile(r"\{\{[^\n]*?stage_diff[^\n]*")  # e.g. a placeholder missing its }}
+# A snippet line after a Python formatter took it for code (ruff 0.16+ formats ```python
+# fences in Markdown): snippets no longer sees it and would print it as text, silently.
+MANGLED_SNIPPET = re.compile(r"^[ \t]*-+8\s+<\s+-+\s*[\"'].*$", re.M)
+# Snippet section markers are docs plumbing, not code: leave them out of the diffs.
+SECTION_MARKER = re.compile(r"^\s*#\s*-+8<-+\s*\[\s*(start|end)\s*:")
+
+_root = Path(__file__).resolve().parent.parent  # replaced by mkdocs.yml's folder in on_config
+_stages: dict[str, type] | None = None
+
+
+def on_config(config):
+    global _root, _stages
+    _root = Path(config.config_file_path).resolve().parent
+    snippets = config.mdx_configs.get("pymdownx.snippets", {})
+    if "base_path" in snippets:
+        paths = snippets["base_path"]
+        paths = [paths] if isinstance(paths, str) else paths
+        snippets["base_path"] = [str(_root / p) for p in paths]
+    _stages = None  # re-import on every build, so `mkdocs serve` shows edited stages
+    return config
+
+
+def on_page_markdown(markdown, page, config, files):
+    mangled = MANGLED_SNIPPET.search(markdown)
+    if mangled:
+        raise PluginError(
+            f"{page.file.src_uri}: {mangled.group(0).strip()!r} is a snippet include that a "
+            'code formatter rewrote; restore it to --8<-- "path:section" and keep include '
+            "fences as ``` { .python }, which ruff format leaves alone"
+        )
+
+    def replace(match: re.Match) -> str:
+        quoted = QUOTED_NAME.fullmatch(match.group("arg"))
+        if quoted is None:
+            raise PluginError(
+                f"{page.file.src_uri}: bad placeholder {match.group(0)!r}; "
+                'write {{ stage_diff("<stage name>") }}'
+            )
+        return stage_diff(quoted.group("name"), where=page.file.src_uri)
+
+    markdown = PLACEHOLDER.sub(replace, markdown)
+    leftover = LEFTOVER.search(markdown)
+    if leftover:
+        raise PluginError(
+            f"{page.file.src_uri}: malformed stage_diff placeholder near {leftover.group(0)!r}"
+        )
+    return markdown
+
+
+def load_stages() -> dict[str, type]:
+    """`stages.STAGES`, freshly imported from the repository root."""
+    global _stages
+    if _stages is None:
+        if str(_root) in sys.path:  # first, ahead of any installed copy of the package
+            sys.path.remove(str(_root))
+        sys.path.insert(0, str(_root))
+        for name in [m for m in sys.modules if m == "stages" or m.startswith("stages.")]:
+            del sys.modules[name]
+        linecache.checkcache()
+        _stages = dict(importlib.import_module("stages").STAGES)
+    return _stages
+
+
+def stage_diff(name: str, where: str = "?") -> str:
+    stages = load_stages()
+    if name not in stages:
+        raise PluginError(
+            f"{where}: stage_diff({name!r}) names no stage; stages.STAGES has {list(stages)}"
+        )
+    order = list(stages)
+    cls = stages[name]
+    previous = stages[order[order.index(name) - 1]] if order.index(name) > 0 else None
+    now, before = _methods(cls), (_methods(previous) if previous else {})
+    changed = [m for m in now if m not in before or before[m][1] is not now[m][1]]
+    removed = [m for m in before if m not in now]
+
+    out = []
+    if previous is None:
+        out.append(
+            f"`{cls.__name__}` is the first stage. It subclasses "
+            f"{_class_names(cls.__bases__)} directly, so every method below is new; the "
+            "ones that override a torch method say so."
+        )
+    else:
+        relation = (
+            f"subclasses `{previous.__name__}`"
+            if cls.__bases__ == (previous,)
+            else f"follows `{previous.__name__}` (its bases: {_class_names(cls.__bases__)})"
+        )
+        out.append(
+            f"`{cls.__name__}` ({_file(cls)}) {relation} and changes {_count(changed, removed)}; "
+            f"everything else is `{previous.__name__}`'s, unchanged. Each diff runs from the "
+            "previous stage's method (`-`) to this stage's (`+`)."
+        )
+    out.append("*Generated at build time from `stages.STAGES` by `docs/hooks.py`.*")
+
+    for method in changed:
+        owner, func = now[method]
+        new_src = _source(func)
+        if method in before:
+            old_owner, old_func = before[method]
+            note = f"Overrides `{old_owner.__name__}.{method}` ({_file(old_owner)})."
+            if f"super().{method}(" in new_src and _via_super(cls, method) is old_func:
+                note += (
+                    f" It calls that method through `super().{method}(...)`, so the lines "
+                    "marked `-` still run wherever that call does."
+                )
+            body = _diff(
+                _source(old_func),
+                new_src,
+                f"{old_owner.__name__}.{method}",
+                f"{owner.__name__}.{method}",
+            )
+        else:
+            overridden = _torch_definer(cls, method)
+            note = "New method." if overridden is None else f"New; overrides `{overridden}`."
+            body = _diff("", new_src, "(none)", f"{owner.__name__}.{method}")
+        out += [f"### `{method}`", note, "```diff\n" + body + "\n```"]
+
+    for method in removed:
+        owner, _ = before[method]
+        out += [f"### `{method}`", f"Removed: `{owner.__name__}` had it, this stage does not."]
+    if not changed and not removed:
+        out.append("No method changed.")
+    return "\n\n".join(out) + "\n"
+
+
+def _count(changed: list[str], removed: list[str]) -> str:
+    n = len(changed) + len(removed)
+    return f"{n} method" if n == 1 else f"{n} methods"
+
+
+def _methods(cls: type) -> dict[str, tuple[type, object]]:
+    """Every method the stage classes in `cls`'s MRO define, resolved as Python would:
+    name -> (defining class, function). torch's own classes are left out."""
+    found: dict[str, tuple[type, object]] = {}
+    stage_classes = [c for c in cls.__mro__ if c.__module__.split(".")[0] == "stages"]
+    for klass in stage_classes:
+        for attr, value in vars(klass).items():
+            func = _function(value)
+            if func is not None and attr not in found:
+                found[attr] = (klass, func)
+    first_line = {a: inspect.getsourcelines(f)[1] for a, (_, f) in found.items()}
+    # Source order, in the file of the class that defines the method.
+    return dict(sorted(found.items(), key=lambda kv: (_file(kv[1][0]), first_line[kv[0]])))
+
+
+def _function(value: object):
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    if inspect.isfunction(value):
+        return value
+    return None
+
+
+def _via_super(cls: type, method: str):
+    for klass in cls.__mro__[1:]:
+        if method in vars(klass):
+            return _function(vars(klass)[method])
+    return None
+
+
+def _torch_definer(cls: type, method: str) -> str | None:
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] != "stages" and method in vars(klass):
+            if klass is object:
+                return None  # object.__init__ and friends: nothing worth naming
+            return f"{_class_name(klass)}.{method}"
+    return None
+
+
+def _source(func) -> str:
+    """The function's source, dedented, decorators included, snippet markers removed."""
+    lines = inspect.getsource(inspect.unwrap(func)).splitlines()
+    return textwrap.dedent("\n".join(line for line in lines if not SECTION_MARKER.match(line)))
+
+
+def _diff(old: str, new: str, old_name: str, new_name: str) -> str:
+    old_lines, new_lines = old.splitlines(), new.splitlines()
+    whole = max(len(old_lines), len(new_lines))  # context: show each method whole
+    lines = list(
+        difflib.unified_diff(old_lines, new_lines, old_name, new_name, n=whole, lineterm="")
+    )
+    # Hunk headers count lines from the top of the method, not of the file: drop them.
+    return "\n".join(line for line in lines if not line.startswith("@@"))
+
+
+def _file(cls: type) -> str:
+    path = Path(inspect.getsourcefile(cls)).resolve()
+    try:
+        return f"`{path.relative_to(_root).as_posix()}`"
+    except ValueError:
+        return f"`{path}`"
+
+
+def _class_name(klass: type) -> str:
+    """`NaiveDDP` for a stage class, the public dotted name for anything else."""
+    if klass.__module__.split(".")[0] == "stages":
+        return klass.__qualname__
+    if klass is torch.nn.Module:
+        return "torch.nn.Module"  # not torch.nn.modules.module.Module
+    return f"{klass.__module__}.{klass.__qualname__}"
+
+
+def _class_names(classes: tuple[type, ...]) -> str:
+    return ", ".join(f"`{_class_name(klass)}`" for klass in classes)

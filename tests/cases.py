@@ -1,0 +1,251 @@
+"""What the suite runs: a model family hypothesis can shape, the distributed run of one
+case on the workers, and the single-process reference it is compared with."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from stages import STAGES
+
+WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    d_in: int
+    width: int
+    d_out: int
+    order: tuple[int, ...]  # hidden layers in the order forward applies them
+    dtypes: tuple[str, ...] = ()  # per hidden layer
+    frozen: tuple[bool, ...] = ()  # per hidden layer
+    tied: bool = False  # one more layer sharing hidden[0]'s weight
+    transposed: bool = False  # input weight stored transposed: a non-contiguous parameter
+    unused: bool = False  # a trainable layer forward never calls (a bad input)
+
+
+class TransposedLinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in).t() / d_in**0.5)  # (d_in, d_out)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class Net(nn.Module):
+    """Registration order is not the order forward runs the hidden layers in, so the
+    order gradients become ready differs from reverse parameter order."""
+
+    def __init__(self, spec: NetSpec):
+        super().__init__()
+        self.spec = spec
+        linear = TransposedLinear if spec.transposed else nn.Linear
+        self.inp = linear(spec.d_in, spec.width)
+        self.hidden = nn.ModuleList(
+            nn.Linear(spec.width, spec.width, dtype=getattr(torch, dt)) for dt in spec.dtypes
+        )
+        for layer, frozen in zip(self.hidden, spec.frozen, strict=True):
+            layer.requires_grad_(not frozen)
+        if spec.tied:
+            self.twin = nn.Linear(spec.width, spec.width, dtype=self.hidden[0].weight.dtype)
+            self.twin.weight = self.hidden[0].weight
+        if spec.unused:
+            self.unused = nn.Linear(spec.width, spec.width)
+        self.out = nn.Linear(spec.width, spec.d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        layers = [self.hidden[i] for i in self.spec.order] + ([self.twin] if self.spec.tied else [])
+        for layer in layers:
+            h = torch.tanh(layer(h.to(layer.weight.dtype)))
+        return self.out(h.float())
+
+
+@dataclass(frozen=True)
+class Case:
+    wrapper: str  # a stage name or "torch_ddp"
+    net: NetSpec
+    world_size: int
+    per_rank_batch: int
+    steps: int
+    accumulation: int  # micro-batches per optimizer step
+    optimizer: str  # sgd | adam
+    bucket_cap_mb: float
+    seed: int
+
+
+@dataclass
+class RankRun:
+    init: list[torch.Tensor]  # parameters right after wrapping
+    grads: list[list[torch.Tensor | None]] = field(default_factory=list)  # per step
+    params: list[list[torch.Tensor]] = field(default_factory=list)  # per step, after it
+    calls: list[list[list[tuple]]] = field(default_factory=list)  # per step, per micro-batch
+    bucket_sizes: list[int] | None = None  # numel of each bucket, in bucket order
+
+
+def build_net(spec: NetSpec, seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net(spec)
+
+
+def global_batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, W*b, d_in) inputs and (k, W*b, d_out) targets, the same on every rank."""
+    gen = torch.Generator().manual_seed(case.seed * 7919 + step)
+    shape = (case.accumulation, case.world_size * case.per_rank_batch)
+    return (
+        torch.randn(*shape, case.net.d_in, generator=gen),
+        torch.randn(*shape, case.net.d_out, generator=gen),
+    )
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+class CollectiveLog:
+    """Records each collective the code under it issues through torch.distributed."""
+
+    NAMES = (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_object",
+        "reduce_scatter",
+        "all_to_all",
+        "reduce",
+        "gather",
+        "scatter",
+        "barrier",
+    )
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    @contextmanager
+    def recording(self):
+        start = len(self.calls)
+        originals = {name: getattr(dist, name) for name in self.NAMES}
+
+        def counted(name, fn):
+            def call(*args, **kwargs):
+                first = args[0] if args else None
+                shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
+                self.calls.append((name, shape))
+                return fn(*args, **kwargs)
+
+            return call
+
+        for name, fn in originals.items():
+            setattr(dist, name, counted(name, fn))
+        recorded: list[tuple] = []
+        try:
+            yield recorded
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+            recorded.extend(self.calls[start:])
+
+
+def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: CollectiveLog):
+    if case.wrapper == "torch_ddp":
+        ddp = nn.parallel.DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=case.bucket_cap_mb
+        )
+
+        def counting_hook(state, bucket):  # torch's collectives bypass torch.distributed
+            log.calls.append(("all_reduce", tuple(bucket.buffer().shape)))
+            return default_hooks.allreduce_hook(group, bucket)
+
+        ddp.register_comm_hook(None, counting_hook)
+        return ddp
+    return STAGES[case.wrapper](model, process_group=group, bucket_cap_mb=case.bucket_cap_mb)
+
+
+def synchronize(wrapped: nn.Module) -> None:
+    finish = getattr(wrapped, "finish_gradient_synchronization", None)
+    if finish is not None:
+        finish()
+
+
+def run_case(rank: int, group: dist.ProcessGroup, case: Case) -> RankRun:
+    """Train `case` on this rank; ranks start from different weights on purpose."""
+    model = build_net(case.net, seed=case.seed * 31 + 1000 * rank + 1)
+    log = CollectiveLog()
+    wrapped = wrap(case, model, group, log)
+    run = RankRun(init=[p.detach().clone() for p in model.parameters()])
+    if hasattr(wrapped, "buckets"):
+        run.bucket_sizes = [b.buffer.numel() for b in wrapped.buckets]
+    optimizer = make_optimizer(case.optimizer, wrapped.parameters())
+    part = slice(rank * case.per_rank_batch, (rank + 1) * case.per_rank_batch)
+    for step in range(case.steps):
+        inputs, targets = global_batch(case, step)
+        step_calls = []
+        for j in range(case.accumulation):
+            last = j == case.accumulation - 1
+            skip = hasattr(wrapped, "no_sync") and not last
+            with wrapped.no_sync() if skip else nullcontext(), log.recording() as calls:
+                loss = F.mse_loss(wrapped(inputs[j, part]), targets[j, part])
+                (loss / case.accumulation).backward()
+                if not skip:
+                    synchronize(wrapped)
+            step_calls.append(calls)
+        run.calls.append(step_calls)
+        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.params.append([p.detach().clone() for p in model.parameters()])
+    return run
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
+    """One process on the whole W*b batch (mean loss), from the same initial weights."""
+    model = build_net(case.net, seed=0)
+    with torch.no_grad():
+        for p, p0 in zip(model.parameters(), init, strict=True):
+            p.copy_(p0)
+    optimizer = make_optimizer(case.optimizer, model.parameters())
+    run = RankRun(init=init)
+    for step in range(case.steps):
+        inputs, targets = global_batch(case, step)
+        for j in range(case.accumulation):
+            loss = F.mse_loss(model(inputs[j]), targets[j])
+            (loss / case.accumulation).backward()
+        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.params.append([p.detach().clone() for p in model.parameters()])
+    return run
+
+
+def expected_bucket_sizes(model: nn.Module, bucket_cap_mb: float) -> list[int]:
+    """The bucket layout DESIGN.md specifies, computed independently of ddp.buckets:
+    reverse parameter order, per dtype, close a bucket before it would pass the cap."""
+    cap_bytes = bucket_cap_mb * 2**20
+    trainable = [p for p in model.parameters() if p.requires_grad][::-1]
+    buckets: list[list[nn.Parameter]] = []
+    open_bucket: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in trainable:
+        members = open_bucket.setdefault(p.dtype, [])
+        size = sum(q.numel() * q.element_size() for q in members) + p.numel() * p.element_size()
+        if members and size > cap_bytes:
+            buckets.append(members)
+            members = open_bucket[p.dtype] = []
+        members.append(p)
+    buckets += [m for m in open_bucket.values() if m]
+    first = {id(p): i for i, p in enumerate(trainable)}
+    buckets.sort(key=lambda m: first[id(m[0])])
+    return [sum(p.numel() for p in m) for m in buckets]

@@ -1,0 +1,145 @@
+"""The one suite: every stage and torch's own DDP, checked on real Gloo groups against
+single-process training (DESIGN.md's six properties), with hypothesis drawing cases."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.cases import (
+    WRAPPERS,
+    Case,
+    NetSpec,
+    build_net,
+    expected_bucket_sizes,
+    reference_run,
+    run_case,
+)
+from tests.pool import MAX_WORLD, RankError
+
+EXAMPLES = int(os.environ.get("DDP_STAGES_EXAMPLES", "200"))  # per stage per run
+
+
+@st.composite
+def nets(draw) -> NetSpec:
+    hidden = draw(st.integers(0, 3))
+    return NetSpec(
+        d_in=draw(st.integers(1, 6)),
+        width=draw(st.integers(1, 8)),
+        d_out=draw(st.integers(1, 4)),
+        order=tuple(draw(st.permutations(range(hidden)))),
+        dtypes=tuple(
+            draw(
+                st.lists(st.sampled_from(["float32", "float64"]), min_size=hidden, max_size=hidden)
+            )
+        ),
+        frozen=tuple(draw(st.lists(st.booleans(), min_size=hidden, max_size=hidden))),
+        tied=hidden > 0 and draw(st.booleans()),
+        transposed=draw(st.booleans()),
+    )
+
+
+def cases(wrapper: str) -> st.SearchStrategy[Case]:
+    return st.builds(
+        Case,
+        wrapper=st.just(wrapper),
+        net=nets(),
+        world_size=st.integers(1, MAX_WORLD),
+        per_rank_batch=st.integers(1, 4),
+        steps=st.integers(1, 3),
+        accumulation=st.integers(1, 3),
+        optimizer=st.sampled_from(["sgd", "adam"]),
+        # MiB; these parameters hold 4 B to 256 B, so 1e-9 puts one parameter in each
+        # bucket and 25 puts all in one.
+        bucket_cap_mb=st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0)),
+        seed=st.integers(0, 2**16),
+    )
+
+
+def tolerance(t: torch.Tensor) -> dict:
+    # Every net has float32 layers at both ends, so float64 layers' gradients carry
+    # float32 rounding too: one float32-level tolerance for all. A missing division by
+    # W (a factor of 2 to 4) or an unsynchronised gradient is far outside it.
+    return {"rtol": 1e-5, "atol": 1e-5}  # atol as torch.testing uses for float32
+
+
+def check_no_errors(runs: list) -> None:
+    errors = [r for r in runs if isinstance(r, RankError)]
+    if errors:
+        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
+
+
+def check_case(pool, case: Case) -> None:
+    runs = pool.run(case.world_size, run_case, case)
+    check_no_errors(runs)
+    rank0 = runs[0]
+    # 1. Replicas start identical, although every rank initialised its own weights.
+    for rank, run in enumerate(runs):
+        for a, b in zip(run.init, rank0.init, strict=True):
+            assert torch.equal(a, b), f"rank {rank} starts from other weights than rank 0"
+    # 2. After every optimizer step, parameters are bit-identical on all ranks.
+    for rank, run in enumerate(runs):
+        for step, (mine, theirs) in enumerate(zip(run.params, rank0.params, strict=True)):
+            for a, b in zip(mine, theirs, strict=True):
+                assert torch.equal(a, b), f"rank {rank} differs from rank 0 after step {step}"
+    # 3 and 5. Equal to one process on the whole batch (k micro-batches: the k-times
+    # larger batch), gradients and parameters, every step.
+    reference = reference_run(case, rank0.init)
+    for step in range(case.steps):
+        for i, (g, g_ref) in enumerate(zip(rank0.grads[step], reference.grads[step], strict=True)):
+            assert (g is None) == (g_ref is None), f"param {i} step {step}: grad presence"
+            if g is not None:
+                torch.testing.assert_close(
+                    g,
+                    g_ref,
+                    **tolerance(g),
+                    msg=lambda m, i=i, step=step: f"grad {i} step {step}: {m}",
+                )
+        for i, (p, p_ref) in enumerate(
+            zip(rank0.params[step], reference.params[step], strict=True)
+        ):
+            torch.testing.assert_close(
+                p,
+                p_ref,
+                **tolerance(p),
+                msg=lambda m, i=i, step=step: f"param {i} step {step}: {m}",
+            )
+    # 6. Collectives per synchronised backward are what the stage promises; none
+    # inside no_sync.
+    model = build_net(case.net, seed=0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    buckets = expected_bucket_sizes(model, case.bucket_cap_mb)
+    for step_calls in rank0.calls:
+        for j, calls in enumerate(step_calls):
+            skipped = case.wrapper in ("skip_sync", "torch_ddp") and j < case.accumulation - 1
+            if skipped:
+                assert calls == [], f"collectives inside no_sync: {calls}"
+            elif case.wrapper == "naive":
+                assert [c[0] for c in calls] == ["all_reduce"] * len(trainable)
+            elif case.wrapper == "torch_ddp":
+                assert len(calls) >= 1 and {c[0] for c in calls} == {"all_reduce"}
+            else:
+                # One per bucket, launched in bucket order (not the order they filled in).
+                assert rank0.bucket_sizes == buckets, "bucket layout"
+                assert calls == [("all_reduce", (n,)) for n in buckets], (
+                    f"expected one all_reduce per bucket in bucket order {buckets}, got {calls}"
+                )
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_equivalent_to_single_process(pool, wrapper: str) -> None:
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        database=None,
+    )
+    @given(case=cases(wrapper))
+    def check(case: Case) -> None:
+        check_case(pool, case)
+
+    check()
