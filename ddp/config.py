@@ -15,16 +15,20 @@ class Config:
     steps: int = 20  # timed optimizer steps
     warmup_steps: int = 3  # untimed steps first (allocations, lazy init)
     batch_size: int = 32  # samples per rank per step; the global batch is W times this
+    global_batch_size: int = 0  # if > 0, overrides batch_size: split over the W ranks
+    accumulation_steps: int = 1  # micro-batches per step; no_sync() on all but the last
     bucket_cap_mb: float = 25.0  # MiB of gradient bytes per bucket, as in torch's DDP
     backend: str = "auto"  # gloo | nccl | auto (nccl when CUDA is there)
     lr: float = 0.01  # SGD learning rate (momentum 0.9)
     seed: int = 0  # data seed; model init is deliberately seeded per rank
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth", "steps", "batch_size"):
+        for name in ("width", "depth", "steps", "batch_size", "accumulation_steps"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size < 0:
+            raise ValueError(f"--global-batch-size must be >= 0, got {self.global_batch_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not self.bucket_cap_mb > 0:

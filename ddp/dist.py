@@ -109,8 +109,9 @@ def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup)
 def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when every parameter is bit-identical to rank 0's.
 
-    Buffers are left out on purpose: BatchNorm's running statistics are per worker
-    (each sees its own slice of the batch), in torch's DDP as here."""
+    Buffers are left out on purpose: BatchNorm's running statistics are per worker (each
+    sees its own slice of the batch). torch's DDP re-broadcasts rank 0's buffers before
+    each forward, but the forward then updates them per worker again."""
     group = require_process_group(process_group)
     mismatches = torch.zeros(1, device=_collective_device(group))
     with torch.no_grad():

@@ -6,6 +6,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp.config import Config, parse_config
-from ddp.data import rank_batch
+from ddp.data import rank_batch, split_batch
 from ddp.dist import (
     broadcast_module_states,
     replicas_identical,
@@ -55,21 +56,34 @@ class RunResult:
 def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult:
     """Train `cfg.model` wrapped by `wrap` for cfg.warmup_steps + cfg.steps steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    global_batch = cfg.global_batch_size or cfg.batch_size * world
+    split_batch(global_batch, rank, world)  # fail before any collective if it does not split
     # Seed the model per rank on purpose: the wrapper must make replicas identical.
     torch.manual_seed(cfg.seed * 1000 + rank)
     model = build_model(cfg.model, width=cfg.width, depth=cfg.depth).to(device)
     wrapped = wrap(model, cfg)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+    k = cfg.accumulation_steps
     times = []
     for step in range(cfg.warmup_steps + cfg.steps):
-        inputs, labels = rank_batch(model, cfg.batch_size * world, step, rank, world, cfg.seed)
-        inputs, labels = inputs.to(device), labels.to(device)
+        micro_batches = [
+            tuple(
+                t.to(device)
+                for t in rank_batch(model, global_batch, step * k + j, rank, world, cfg.seed)
+            )
+            for j in range(k)
+        ]
         _synchronize(device)
         start = time.perf_counter()
-        loss = F.cross_entropy(wrapped(inputs), labels)
-        loss.backward()
-        finish()
+        for j, (inputs, labels) in enumerate(micro_batches):
+            # Wrappers without no_sync() (the first stages) synchronise every micro-batch.
+            local = j < k - 1 and hasattr(wrapped, "no_sync")
+            with wrapped.no_sync() if local else nullcontext():
+                loss = F.cross_entropy(wrapped(inputs), labels)
+                (loss / k).backward()  # the mean over all k micro-batches
+            if not local:
+                finish()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _synchronize(device)
@@ -112,7 +126,8 @@ def print_table(results: list[RunResult], cfg: Config, reference: str | None = N
     base = next((r.median_step_s for r in results if r.name == reference), None)
     print(
         f"\nmodel={cfg.model} world={dist.get_world_size()} backend={dist.get_backend()} "
-        f"per-rank batch={cfg.batch_size} bucket_cap_mb={cfg.bucket_cap_mb} "
+        f"global batch={cfg.global_batch_size or cfg.batch_size * dist.get_world_size()} "
+        f"accumulation={cfg.accumulation_steps} bucket_cap_mb={cfg.bucket_cap_mb} "
         f"steps={cfg.steps} (median of the slowest rank per step)"
     )
     header = f"{'run':<14} {'step ms':>9}" + (f" {'vs ' + reference:>16}" if base else "")

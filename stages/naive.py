@@ -85,6 +85,11 @@ class NaiveDDP(nn.Module):
             )
         self._awaiting_sync = False
         missing = [name for name, p in self.named_trainable if p.grad is None]
+        if len(missing) == len(self.named_trainable):
+            raise RuntimeError(
+                f"{type(self).__name__}: finish_gradient_synchronization() called after "
+                "forward but before loss.backward(): no parameter has a gradient"
+            )
         if missing:
             raise RuntimeError(
                 f"{type(self).__name__}: parameters {missing} got no gradient in this backward "

@@ -1,0 +1,52 @@
+"""The commands users run: every stage under torchrun, end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages import STAGES
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*TORCHRUN, "--nproc-per-node", str(nproc), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_main_job_reports_identical_replicas() -> None:
+    out = torchrun(
+        2, "-m", "stages", "--model", "transformer", "--steps", "2", "--warmup-steps", "1"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
+    for name in [*STAGES, "torch_ddp"]:
+        assert rows[name][-1] == "True", f"{name}: {rows[name]}"
+
+
+def test_global_batch_that_does_not_split_fails_fast() -> None:
+    out = torchrun(2, "-m", "stages.bucketed", "--global-batch-size", "5", timeout=60)
+    assert out.returncode != 0
+    assert "global batch 5 does not split over 2 ranks; pick a multiple of 2" in out.stderr
+
+
+@pytest.mark.parametrize("stage", ["skip_sync"])
+def test_stage_with_accumulation(stage: str) -> None:
+    out = torchrun(
+        3, "-m", f"stages.{stage}", "--steps", "2", "--accumulation-steps", "3", "--model", "frozen"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"
