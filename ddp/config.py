@@ -10,7 +10,7 @@ from dataclasses import dataclass
 @dataclass
 class Config:
     model: str = "mlp"  # mlp | cnn | transformer | frozen
-    width: int = 256  # MLP units per layer; 2048 with depth 6 is ~25M parameters
+    width: int = 256  # MLP units per layer; 2048 with depth 7 is ~25M parameters
     depth: int = 3  # MLP layers
     steps: int = 20  # timed optimizer steps
     warmup_steps: int = 3  # untimed steps first (allocations, lazy init)
@@ -21,9 +21,18 @@ class Config:
     backend: str = "auto"  # gloo | nccl | auto (nccl when CUDA is there)
     lr: float = 0.01  # SGD learning rate (momentum 0.9)
     seed: int = 0  # data seed; model init is deliberately seeded per rank
+    profile_dir: str = ""  # if set, write torch.profiler traces and scalars under it
+    profile_steps: int = 3  # steps traced, after the warm-up steps
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth", "steps", "batch_size", "accumulation_steps"):
+        for name in (
+            "width",
+            "depth",
+            "steps",
+            "batch_size",
+            "accumulation_steps",
+            "profile_steps",
+        ):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")

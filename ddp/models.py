@@ -8,7 +8,7 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """`depth` linear layers of `width` units. width=2048, depth=6 is ~25M parameters."""
+    """`depth` linear layers of `width` units. width=2048, depth=7 is ~25M parameters."""
 
     def __init__(self, in_features: int = 32, width: int = 64, depth: int = 3, classes: int = 10):
         super().__init__()

@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from ddp.config import Config, parse_config
 from ddp.data import rank_batch, split_batch
@@ -66,6 +68,7 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
     k = cfg.accumulation_steps
     times = []
+    tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
     for step in range(cfg.warmup_steps + cfg.steps):
         micro_batches = [
             tuple(
@@ -80,15 +83,24 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
             # Wrappers without no_sync() (the first stages) synchronise every micro-batch.
             local = j < k - 1 and hasattr(wrapped, "no_sync")
             with wrapped.no_sync() if local else nullcontext():
-                loss = F.cross_entropy(wrapped(inputs), labels)
-                (loss / k).backward()  # the mean over all k micro-batches
+                with record_function("forward"):
+                    loss = F.cross_entropy(wrapped(inputs), labels)
+                with record_function("backward"):
+                    (loss / k).backward()  # the mean over all k micro-batches
             if not local:
-                finish()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+                with record_function("finish gradient synchronization"):
+                    finish()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         _synchronize(device)
+        step_s = time.perf_counter() - start
         if step >= cfg.warmup_steps:
-            times.append(time.perf_counter() - start)
+            times.append(step_s)
+        if tracing is not None:
+            tracing.step(step, loss.item(), optimizer.param_groups[0]["lr"], step_s)
+    if tracing is not None:
+        tracing.close()
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return RunResult(
@@ -97,6 +109,48 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
         replicas_identical=replicas_identical(model),
         final_loss=loss.item(),
     )
+
+
+class Tracing:
+    """torch.profiler traces and TensorBoard scalars for one run, under
+    <profile_dir>/<run name>: TensorBoard shows each run (stage) as one run, with one
+    gzip'd trace per rank, and the same files open in Perfetto."""
+
+    def __init__(self, cfg: Config, name: str, rank: int, device: torch.device):
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir = Path(cfg.profile_dir) / name
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)  # kernels, NCCL too
+        self.profiler = torch.profiler.profile(
+            activities=activities,
+            # Skip the warm-up steps (allocations, lazy init), then one step to warm up
+            # the profiler itself, then trace.
+            schedule=torch.profiler.schedule(
+                skip_first=max(cfg.warmup_steps - 1, 0),
+                wait=0,
+                warmup=1,
+                active=cfg.profile_steps,
+                repeat=1,
+            ),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                str(run_dir), worker_name=f"rank{rank}", use_gzip=True
+            ),
+            record_shapes=True,
+        )
+        self.writer = SummaryWriter(str(run_dir / f"scalars-rank{rank}"))
+        self.profiler.start()
+
+    def step(self, step: int, loss: float, lr: float, step_s: float) -> None:
+        self.profiler.step()
+        self.writer.add_scalar("loss", loss, step)
+        self.writer.add_scalar("learning rate", lr, step)
+        self.writer.add_scalar("step time ms", step_s * 1e3, step)
+
+    def close(self) -> None:
+        self.profiler.stop()
+        self.writer.close()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from ddp.buckets import assign_buckets
 from stages.naive import NaiveDDP
@@ -44,7 +45,8 @@ class BucketedDDP(NaiveDDP):
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 bucket.view_of(i).copy_(param.grad)  # in: works for non-contiguous grads too
-            dist.all_reduce(bucket.buffer, group=self.process_group)
+            with record_function(f"allreduce bucket {bucket.index} ({bucket.nbytes} B)"):
+                dist.all_reduce(bucket.buffer, group=self.process_group)
             bucket.buffer.div_(self.world_size)
             for i, param in enumerate(bucket.params):
                 param.grad.copy_(bucket.view_of(i))  # out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from ddp.dist import (
     broadcast_module_states,
@@ -67,8 +68,12 @@ class NaiveDDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Average every gradient over the ranks. Call after loss.backward()."""
         self._start_synchronization()
-        for _, param in self.named_trainable:
-            in_place_collective(param.grad, lambda g: dist.all_reduce(g, group=self.process_group))
+        for name, param in self.named_trainable:
+            nbytes = param.grad.numel() * param.grad.element_size()
+            with record_function(f"allreduce {name} ({nbytes} B)"):  # a span in traces
+                in_place_collective(
+                    param.grad, lambda g: dist.all_reduce(g, group=self.process_group)
+                )
             param.grad.div_(self.world_size)  # sum -> mean: each rank's loss is a local mean
 
     # --8<-- [end:finish]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 
 from ddp.buckets import Bucket
 from stages.bucketed import BucketedDDP
@@ -82,7 +83,8 @@ class OverlappedDDP(BucketedDDP):
         self._pending[bucket.index] -= 1
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
             ready = self.buckets[self._next_bucket]
-            work = dist.all_reduce(ready.buffer, group=self.process_group, async_op=True)
+            with record_function(f"allreduce bucket {ready.index} ({ready.nbytes} B)"):
+                work = dist.all_reduce(ready.buffer, group=self.process_group, async_op=True)
             self._in_flight.append((ready, work))
             self._next_bucket += 1
 
@@ -91,8 +93,9 @@ class OverlappedDDP(BucketedDDP):
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
         self._awaiting_sync = False
-        for _, work in self._in_flight:
-            work.wait()  # even on error below: leave no collective half-finished
+        with record_function("wait for communication"):
+            for _, work in self._in_flight:
+                work.wait()  # even on error below: leave no collective half-finished
         missing = [
             name
             for bucket in self.buckets
