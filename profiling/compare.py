@@ -1,0 +1,371 @@
+"""Profile every stage on one workload and show where each step's time goes.
+
+    python -m profiling.compare --nproc 2 --model cnn --logdir runs/compare
+    python -m profiling.compare --analyse-only runs/compare      # traces already there
+
+The first form runs the main job (`python -m stages`, under torch.distributed.run with
+--nproc ranks) with `--profile-dir LOGDIR`, so compute_only, every stage and torch's DDP
+train on the same workload one after another, each traced into its own TensorBoard run
+(LOGDIR/<run>/rank<r>.*.pt.trace.json.gz). Every option it does not know itself
+(--bucket-cap-mb, --batch-size, --steps, --profile-steps, ...) goes to the main job.
+
+Then it reads the traces (profiling/analysis.py has the definitions) and writes:
+
+- a table on stdout, one row per run, averaged over ranks (each rank's median step);
+- profile.json (per run, and per rank with every traced step), profile.csv (per rank and
+  the rank mean) and profile.md (the table) under --out (default: LOGDIR);
+- profile-breakdown.png (per run: compute, hidden and not-hidden communication, the rest;
+  the compute-only step as a line) and profile-timeline.png (rank 0's median step of every
+  run: main-thread compute and waits, collectives in flight) under --figures (default:
+  --out);
+- TensorBoard scalars beside the loop's own (loss, learning rate, step time ms) in
+  LOGDIR/<run>/scalars-rank<r>: exposed communication ms, communication ms, hidden
+  communication ms and compute ms for every traced step. Re-analysing replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from profiling.analysis import (
+    COMPUTE_ONLY,
+    RankResult,
+    RunSummary,
+    analyse_runs,
+    rank_average,
+    read_logdir,
+    step_timeline,
+    trace_files,
+)
+
+COLUMNS = [  # (header, RunSummary field, format)
+    ("step ms", "step_ms", "{:.1f}"),
+    ("compute ms", "compute_ms", "{:.1f}"),
+    ("comm ms", "communication_ms", "{:.1f}"),
+    ("hidden ms", "hidden_ms", "{:.1f}"),
+    ("not hidden ms", "not_hidden_ms", "{:.1f}"),
+    ("exposed ms", "exposed_ms", "{:+.1f}"),
+    ("overlap %", "overlap_pct", "{:.1f}"),
+    ("collectives/step", "collectives_per_step", "{:g}"),
+    ("KiB/step", "bytes_per_step", "{:.1f}"),
+]
+COMMAND_FILE = "main-job.txt"  # in the logdir: the command that made the traces
+SCALARS = {  # TensorBoard tag -> per traced step (ms)
+    "communication ms": lambda step, floor: step.communication_ms,
+    "hidden communication ms": lambda step, floor: step.hidden_ms,
+    "compute ms": lambda step, floor: step.compute_ms,
+    "exposed communication ms": lambda step, floor: step.step_ms - floor,
+}
+
+
+def main(argv: list[str] | None = None) -> list[RunSummary]:
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an abbreviation must not swallow a main-job option
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to run")
+    parser.add_argument("--model", default="cnn", help="mlp | cnn | transformer | frozen")
+    parser.add_argument("--logdir", default="runs/compare", help="where the traces go")
+    parser.add_argument("--analyse-only", metavar="LOGDIR", help="skip running; read LOGDIR")
+    parser.add_argument("--overwrite", action="store_true", help="replace runs in --logdir")
+    parser.add_argument("--out", help="profile.json/.csv/.md go here (default: the logdir)")
+    parser.add_argument("--figures", help="the two PNGs go here (default: --out)")
+    parser.add_argument("--no-scalars", action="store_true", help="write no TensorBoard scalars")
+    args, stage_options = parser.parse_known_args(argv)
+    if args.analyse_only:
+        if stage_options:
+            parser.error(f"--analyse-only runs nothing; unexpected options {stage_options}")
+        logdir = Path(args.analyse_only)
+        command = None
+    else:
+        logdir = Path(args.logdir)
+        command = run_main_job(args.nproc, args.model, stage_options, logdir, args.overwrite)
+    out = Path(args.out or logdir)
+    figures = Path(args.figures or out)
+
+    traces = read_logdir(logdir)
+    results = analyse_runs(traces)
+    rows = rank_average(results)
+    heading = describe(logdir, results, command)
+    table = format_table(rows)
+    print("\n" + heading + "\n" + table)
+    out.mkdir(parents=True, exist_ok=True)
+    figures.mkdir(parents=True, exist_ok=True)
+    write_json(out / "profile.json", rows, results, heading, command)
+    write_csv(out / "profile.csv", rows, results)
+    (out / "profile.md").write_text(markdown_table(rows) + "\n")
+    plot_breakdown(figures / "profile-breakdown.png", rows, heading)
+    plot_timeline(figures / "profile-timeline.png", traces, results, rank=0)
+    if not args.no_scalars:
+        write_scalars(logdir, results)
+    print(f"\nwrote {out}/profile.{{json,csv,md}} and {figures}/profile-{{breakdown,timeline}}.png")
+    if not args.no_scalars:
+        print(f"TensorBoard: tensorboard --logdir {logdir} --host 127.0.0.1")
+    return rows
+
+
+def run_main_job(
+    nproc: int, model: str, stage_options: list[str], logdir: Path, overwrite: bool
+) -> list[str]:
+    """Run `python -m stages` under torch.distributed.run, tracing into `logdir`."""
+    if any(o.split("=")[0] == "--profile-dir" for o in stage_options):
+        raise SystemExit("--profile-dir is --logdir here")
+    existing = trace_files(logdir) if logdir.is_dir() else {}
+    if existing and not overwrite:
+        raise SystemExit(
+            f"{logdir} already holds traced runs ({', '.join(existing)}); pick another "
+            "--logdir, pass --overwrite to replace them, or --analyse-only to read them"
+        )
+    for run in existing:  # only folders that hold our traces, never the logdir itself
+        shutil.rmtree(logdir / run)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), "-m", "stages", "--model", model,
+        *stage_options, "--profile-dir", str(logdir),
+    ]  # fmt: skip
+    print("$ " + shlex.join(command), flush=True)
+    done = subprocess.run(command)
+    if done.returncode != 0:
+        raise SystemExit(f"the main job failed (exit code {done.returncode})")
+    (logdir / COMMAND_FILE).write_text(shlex.join(["python", *command[1:]]) + "\n")
+    return command
+
+
+def describe(logdir: Path, results: list[RankResult], command: list[str] | None) -> str:
+    ranks = sorted({r.rank for r in results})
+    traced = sorted({len(r.steps) for r in results})
+    if command:
+        ran = shlex.join(["python", *command[1:]])
+    elif (logdir / COMMAND_FILE).is_file():
+        ran = (logdir / COMMAND_FILE).read_text().strip() + f"  (re-analysed {logdir})"
+    else:
+        ran = f"(traces in {logdir}, command unknown)"
+    return (
+        f"{ran}\n{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}\n"
+        f"{len(ranks)} ranks, {'/'.join(map(str, traced))} traced steps per run; each "
+        "row: mean over ranks of each rank's median traced step. exposed = step - "
+        f"{COMPUTE_ONLY} step (same rank); overlap = hidden / comm."
+    )
+
+
+def _cell(row: RunSummary, fieldname: str, fmt: str) -> str:
+    value = getattr(row, fieldname)
+    if value is None:
+        return "n/a"
+    if fieldname == "bytes_per_step":
+        value /= 1024
+    return fmt.format(value)
+
+
+def format_table(rows: list[RunSummary]) -> str:
+    width = max(len(r.run) for r in rows) + 1
+    lines = [f"{'run':<{width}}" + "".join(f"{h:>{len(h) + 2}}" for h, _, _ in COLUMNS)]
+    for row in rows:
+        lines.append(
+            f"{row.run:<{width}}"
+            + "".join(f"{_cell(row, f, fmt):>{len(h) + 2}}" for h, f, fmt in COLUMNS)
+        )
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[RunSummary]) -> str:
+    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |"]
+    lines.append("|---|" + "---:|" * len(COLUMNS))
+    for row in rows:
+        cells = " | ".join(_cell(row, f, fmt) for _, f, fmt in COLUMNS)
+        lines.append(f"| {row.run} | {cells} |")
+    return "\n".join(lines)
+
+
+def _step_dict(step) -> dict:
+    return {
+        **dataclasses.asdict(step),
+        "not_hidden_ms": step.not_hidden_ms,
+        "other_ms": step.other_ms,
+        "overlap": step.overlap,
+    }
+
+
+def write_json(path: Path, rows, results, heading: str, command) -> None:
+    data = {
+        "heading": heading,
+        "command": command,
+        "runs": [dataclasses.asdict(r) for r in rows],
+        "ranks": [
+            {
+                "run": r.run,
+                "rank": r.rank,
+                "exposed_ms": r.exposed_ms,
+                "median_step": r.median.step,
+                "steps": [_step_dict(s) for s in r.steps],
+            }
+            for r in results
+        ],
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_csv(path: Path, rows: list[RunSummary], results: list[RankResult]) -> None:
+    fields = [f for _, f, _ in COLUMNS] + ["other_ms"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "rank", *fields])
+        for r in results:
+            m = r.median
+            values = {
+                **{k: getattr(m, k, None) for k in fields},
+                "not_hidden_ms": m.not_hidden_ms,
+                "other_ms": m.other_ms,
+                "exposed_ms": r.exposed_ms,
+                "overlap_pct": None if m.overlap is None else 100 * m.overlap,
+                "collectives_per_step": m.collectives,
+                "bytes_per_step": m.bytes,
+            }
+            writer.writerow([r.run, r.rank, *(values[k] for k in fields)])
+        for row in rows:
+            writer.writerow([row.run, "mean", *(getattr(row, k) for k in fields)])
+
+
+def write_scalars(logdir: Path, results: list[RankResult]) -> None:
+    """Per traced step, beside the loop's scalars, so TensorBoard shows the exposed
+    communication next to the step time of the same run and rank."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    floor = {r.rank: r.median.step_ms for r in results if r.run == COMPUTE_ONLY}
+    for r in results:
+        folder = logdir / r.run / f"scalars-rank{r.rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("events.out.tfevents.*.analysis"):
+            old.unlink()  # an earlier analysis of these same traces
+        writer = SummaryWriter(str(folder), filename_suffix=".analysis")
+        for step in r.steps:
+            for tag, value in SCALARS.items():
+                if tag.startswith("exposed") and r.rank not in floor:
+                    continue
+                writer.add_scalar(tag, value(step, floor.get(r.rank)), step.step)
+        writer.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Charts.
+
+COLOURS = {
+    "compute": "#4c72b0",
+    "forward": "#8fb3de",
+    "backward": "#4c72b0",
+    "optimizer": "#8172b2",
+    "hidden": "#55a868",
+    "not hidden": "#c44e52",
+    "waiting": "#c44e52",
+    "communication": "#dd8452",
+    "other": "#cccccc",
+}
+
+
+def plot_breakdown(path: Path, rows: list[RunSummary], heading: str) -> None:
+    """One stacked bar per run; the segments add up to its step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.4), dpi=100)
+    names = [r.run for r in rows]
+    segments = [
+        ("compute, no communication in flight", [r.compute_ms - r.hidden_ms for r in rows],
+         COLOURS["compute"]),
+        ("communication hidden behind compute", [r.hidden_ms for r in rows],
+         COLOURS["hidden"]),
+        ("communication not hidden", [r.not_hidden_ms for r in rows], COLOURS["not hidden"]),
+        ("other (Python between ops, data, logging)", [max(r.other_ms, 0) for r in rows],
+         COLOURS["other"]),
+    ]  # fmt: skip
+    bottom = [0.0] * len(rows)
+    for label, values, colour in segments:
+        ax.bar(names, values, bottom=bottom, label=label, color=colour, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    floor = next((r.step_ms for r in rows if r.run == COMPUTE_ONLY), None)
+    if floor is not None:
+        ax.axhline(floor, color="black", linestyle="--", linewidth=1, zorder=1)
+        ax.text(-0.45, floor, "compute-only step ", va="bottom", ha="left", fontsize=8)
+    for x, r in enumerate(rows):
+        if r.exposed_ms is not None and r.run != COMPUTE_ONLY:
+            ax.text(x, max(bottom[x], r.step_ms) + 1, f"exposed\n{r.exposed_ms:+.1f} ms",
+                    ha="center", va="bottom", fontsize=8, zorder=3,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # fmt: skip
+    ax.set_ylabel("ms per step (mean over ranks of the median step)")
+    ax.set_ylim(0, max(bottom + [r.step_ms for r in rows]) * 1.25)
+    command = heading.splitlines()[0]  # the main job's options, without where it wrote
+    command = re.sub(r" --profile-dir \S+| +\(re-analysed .*", "", command)
+    ax.set_title(command[command.find("-m stages") :][:110], fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_timeline(path: Path, traces: dict, results: list[RankResult], rank: int) -> None:
+    """Rank `rank`'s median step of every run: two lanes each, the main thread (compute
+    by span, and communication waits) above the collectives in flight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    chosen = [r for r in results if r.rank == rank]
+    fig, ax = plt.subplots(figsize=(10, 0.75 * len(chosen) + 1.4), dpi=100)
+    labels, ticks = [], []
+    for i, r in enumerate(chosen):
+        t = step_timeline(traces[r.run][r.rank], r.median.step)
+        y_main, y_comm = -3 * i, -3 * i - 1
+        for kind, intervals in t["compute"].items():
+            ax.broken_barh(_bars(intervals), (y_main - 0.4, 0.8), color=COLOURS[kind])
+        ax.broken_barh(_bars(t["waiting"]), (y_main - 0.4, 0.8), color=COLOURS["waiting"])
+        ax.broken_barh(_bars(t["communication"]), (y_comm - 0.4, 0.8),
+                       color=COLOURS["communication"])  # fmt: skip
+        ax.plot([0, t["step_ms"]], [y_comm - 0.6] * 2, color="black", linewidth=0.8)
+        labels += [f"{r.run} (step {r.median.step})", "collectives"]
+        ticks += [y_main, y_comm]
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel(f"ms from the start of the step (rank {rank}, its median traced step)")
+    fig.legend(
+        handles=[
+            Patch(color=COLOURS[k], label=label)
+            for k, label in [
+                ("forward", "forward ops"),
+                ("backward", "backward ops"),
+                ("optimizer", "optimizer ops"),
+                ("waiting", "main thread in a collective / waiting"),
+                ("communication", "collective in flight (Gloo thread)"),
+            ]
+        ],
+        fontsize=8,
+        loc="upper center",
+        ncols=3,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _bars(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(start, end - start) for start, end in intervals]
+
+
+if __name__ == "__main__":
+    main()
