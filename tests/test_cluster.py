@@ -1,0 +1,114 @@
+"""The shaped cluster (profiling.cluster): stages train across namespaces over a link
+limited to 1 Gbit/s, Gloo's all-reduce runs at that rate, and nothing is left behind."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from profiling import cluster as vc
+from profiling.cluster import VirtualCluster, expected_allreduce_MBps
+
+AVAILABLE, WHY_NOT = vc.available()
+needs_cluster = pytest.mark.skipif(not AVAILABLE, reason=f"no shaped cluster: {WHY_NOT}")
+
+
+def netns_list() -> list[str]:
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    out = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, check=True)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two nodes at 1gbit, for the module; removed afterwards whatever happened, and
+    checked to be gone."""
+    c = VirtualCluster(ranks=2, rate="1gbit")
+    prefix = None
+    try:
+        with c:
+            prefix = f"{vc.PREFIX}-{c.state.id}-"
+            assert sorted(ns for ns in netns_list() if ns.startswith(prefix)) == sorted(
+                c.state.all_namespaces
+            )
+            yield c
+    finally:
+        if prefix is not None:
+            left = [ns for ns in netns_list() if ns.startswith(prefix)]
+            assert not left, f"namespaces left behind: {left}"
+
+
+@needs_cluster
+def test_stage_trains_across_the_shaped_link(cluster: VirtualCluster) -> None:
+    from ddp.models import build_model
+
+    sent_before = cluster.link_bytes()
+    steps, warmup = 3, 3
+    out = cluster.run(
+        ["-m", "stages.bucketed", "--model", "mlp", "--steps", str(steps),
+         "--warmup-steps", str(warmup)],
+        timeout=120,
+        capture=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.tail()
+    assert out.stdout[0].split()[-1] == "True", out.tail()  # replicas identical
+    # Every step all-reduces every gradient through the link: over 2 ranks a ring
+    # sends as many bytes as the gradients hold, from each node.
+    grad_bytes = sum(p.numel() * 4 for p in build_model("mlp", width=256, depth=3).parameters())
+    sent = [after - before for after, before in zip(cluster.link_bytes(), sent_before, strict=True)]
+    assert all(s >= (steps + warmup) * grad_bytes for s in sent), (sent, grad_bytes)
+
+
+@needs_cluster
+def test_allreduce_runs_at_the_shaped_rate(cluster: VirtualCluster) -> None:
+    """MB/s = tensor bytes / time per all-reduce. A 2-rank ring sends and receives the
+    tensor's size per rank (2(N-1)/N of it), each way at the link's rate, so the figure
+    expected is the rate itself: 1 Gbit/s = 125 MB/s (ENVIRONMENT.md measured 118-126,
+    TCP/IP headers taking about 4%)."""
+    result = cluster.probe(megabytes=25, iterations=4)
+    expected = expected_allreduce_MBps(10**9, 2)
+    assert expected == pytest.approx(125.0)
+    print(f"all-reduce {result['MBps']:.1f} MB/s, expected {expected:.1f}")
+    assert result["MBps"] == pytest.approx(expected, rel=0.15), result
+
+
+@needs_cluster
+def test_a_failing_node_fails_the_run_and_stops_the_others(cluster: VirtualCluster) -> None:
+    # Node 1 fails at once; node 0 would sleep for minutes, but is stopped after `grace`.
+    script = 'if [ "$GROUP_RANK" = 1 ]; then exit 3; fi; sleep 300'
+    out = cluster.run(["--no-python", "bash", "-c", script], timeout=60, capture=True, grace=1)
+    assert out.returncode != 0, out.tail()
+    assert out.returncode != 124, f"hit the timeout instead of stopping early:\n{out.tail()}"
+    assert out.seconds < 30, out.tail()
+
+
+@needs_cluster
+def test_an_exception_inside_still_removes_everything() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with VirtualCluster(ranks=3, rate="500mbit") as c:
+            names = c.state.all_namespaces
+            state_file = c.state.path
+            assert set(names) <= set(netns_list())
+            raise RuntimeError("boom")
+    assert not set(names) & set(netns_list())
+    assert not state_file.exists()
+
+
+def test_without_root_it_says_so_and_fails(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(vc, "_available", None)  # not the cached answer
+    monkeypatch.setattr(vc.os, "geteuid", lambda: 1000)
+    ok, why = vc.available()
+    assert not ok and "root" in why
+    assert vc.main(["up", "--ranks", "2", "--rate", "1gbit"]) != 0
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_rates_read_as_tc_reads_bit_units() -> None:
+    assert vc.parse_rate("1gbit") == 10**9
+    assert vc.parse_rate("500mbit") == 5 * 10**8
+    assert vc.tbf_burst_bytes(10**9) == 256 * 2**10  # ENVIRONMENT.md's 1gbit setting
+    assert vc.tbf_burst_bytes(4 * 10**9) == 2**20  # and its 4gbit one
+    with pytest.raises(ValueError, match="1gbit"):
+        vc.parse_rate("125mbps")  # tc would read bytes per second: refused
