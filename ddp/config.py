@@ -43,6 +43,10 @@ class Config:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be > 0 MiB, got {self.bucket_cap_mb}")
 
+    def global_batch(self, world_size: int) -> int:
+        """Samples per micro-batch over all ranks: --global-batch-size, else W x --batch-size."""
+        return self.global_batch_size or self.batch_size * world_size
+
 
 def parse_config(argv: list[str] | None = None, description: str | None = None) -> Config:
     """Config from the command line: one --flag per field, defaults from the dataclass."""

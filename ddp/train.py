@@ -58,7 +58,7 @@ class RunResult:
 def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult:
     """Train `cfg.model` wrapped by `wrap` for cfg.warmup_steps + cfg.steps steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    global_batch = cfg.global_batch_size or cfg.batch_size * world
+    global_batch = cfg.global_batch(world)
     split_batch(global_batch, rank, world)  # fail before any collective if it does not split
     # Seed the model per rank on purpose: the wrapper must make replicas identical.
     torch.manual_seed(cfg.seed * 1000 + rank)
@@ -66,33 +66,13 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
     wrapped = wrap(model, cfg)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
-    k = cfg.accumulation_steps
     times = []
     tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
     for step in range(cfg.warmup_steps + cfg.steps):
-        micro_batches = [
-            tuple(
-                t.to(device)
-                for t in rank_batch(model, global_batch, step * k + j, rank, world, cfg.seed)
-            )
-            for j in range(k)
-        ]
+        micro_batches = make_micro_batches(model, cfg, step, device)
         _synchronize(device)
         start = time.perf_counter()
-        for j, (inputs, labels) in enumerate(micro_batches):
-            # Wrappers without no_sync() (the first stages) synchronise every micro-batch.
-            local = j < k - 1 and hasattr(wrapped, "no_sync")
-            with wrapped.no_sync() if local else nullcontext():
-                with record_function("forward"):
-                    loss = F.cross_entropy(wrapped(inputs), labels)
-                with record_function("backward"):
-                    (loss / k).backward()  # the mean over all k micro-batches
-            if not local:
-                with record_function("finish gradient synchronization"):
-                    finish()
-        with record_function("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        loss = train_step(wrapped, micro_batches, optimizer, finish)
         _synchronize(device)
         step_s = time.perf_counter() - start
         if step >= cfg.warmup_steps:
@@ -109,6 +89,50 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
         replicas_identical=replicas_identical(model),
         final_loss=loss.item(),
     )
+
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_micro_batches(
+    model: nn.Module, cfg: Config, step: int, device: torch.device
+) -> MicroBatches:
+    """This rank's cfg.accumulation_steps (inputs, labels) slices for optimizer step `step`."""
+    rank, world, k = dist.get_rank(), dist.get_world_size(), cfg.accumulation_steps
+    global_batch = cfg.global_batch(world)
+    return [
+        tuple(
+            t.to(device)
+            for t in rank_batch(model, global_batch, step * k + j, rank, world, cfg.seed)
+        )
+        for j in range(k)
+    ]
+
+
+def train_step(
+    wrapped: nn.Module,
+    micro_batches: MicroBatches,
+    optimizer: torch.optim.Optimizer,
+    finish: Callable[[], None],
+) -> torch.Tensor:
+    """One optimizer step over the micro-batches, with labelled spans for the profiler.
+    Returns the last micro-batch's loss."""
+    k = len(micro_batches)
+    for j, (inputs, labels) in enumerate(micro_batches):
+        # Wrappers without no_sync() (the first stages) synchronise every micro-batch.
+        local = j < k - 1 and hasattr(wrapped, "no_sync")
+        with wrapped.no_sync() if local else nullcontext():
+            with record_function("forward"):
+                loss = F.cross_entropy(wrapped(inputs), labels)
+            with record_function("backward"):
+                (loss / k).backward()  # the mean over all k micro-batches
+        if not local:
+            with record_function("finish gradient synchronization"):
+                finish()
+    with record_function("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 class Tracing:
@@ -180,7 +204,7 @@ def print_table(results: list[RunResult], cfg: Config, reference: str | None = N
     base = next((r.median_step_s for r in results if r.name == reference), None)
     print(
         f"\nmodel={cfg.model} world={dist.get_world_size()} backend={dist.get_backend()} "
-        f"global batch={cfg.global_batch_size or cfg.batch_size * dist.get_world_size()} "
+        f"global batch={cfg.global_batch(dist.get_world_size())} "
         f"accumulation={cfg.accumulation_steps} bucket_cap_mb={cfg.bucket_cap_mb} "
         f"steps={cfg.steps} (median of the slowest rank per step)"
     )

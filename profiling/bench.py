@@ -53,21 +53,27 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from ddp.config import Config
-from ddp.data import rank_batch, split_batch
+from ddp.data import split_batch
 from ddp.dist import replicas_identical, setup_process_group, teardown_process_group
 from ddp.models import build_model
-from ddp.train import ComputeOnly, Wrap, _synchronize, stage_wrap, torch_ddp_wrap
+from ddp.train import (
+    ComputeOnly,
+    MicroBatches,
+    Wrap,
+    _synchronize,
+    make_micro_batches,
+    stage_wrap,
+    torch_ddp_wrap,
+    train_step,
+)
 
 REFERENCE = "torch_ddp"
 FLOOR = "compute_only"
@@ -233,58 +239,30 @@ def build_variant(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> V
     return Variant(name, model, wrapped, optimizer)
 
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]  # one step's, on this rank
-
-
 def step(variant: Variant, micro_batches: MicroBatches, device: torch.device) -> float:
-    """One optimizer step, timed on this rank: the body of ddp.train.train's loop, spans
-    included, so a step here costs what it costs there."""
-    wrapped, k = variant.wrapped, len(micro_batches)
+    """One optimizer step (ddp.train.train_step, spans included), timed on this rank."""
     # Start together: otherwise a rank's time absorbs its partner's lag from the step
     # before (or from the previous variant), and "slowest rank" loses its meaning.
     dist.barrier()
     _synchronize(device)
     start = time.perf_counter()
-    for j, (inputs, labels) in enumerate(micro_batches):
-        # Wrappers without no_sync() (the first stages) synchronise every micro-batch.
-        local = j < k - 1 and hasattr(wrapped, "no_sync")
-        with wrapped.no_sync() if local else nullcontext():
-            with record_function("forward"):
-                loss = F.cross_entropy(wrapped(inputs), labels)
-            with record_function("backward"):
-                (loss / k).backward()  # the mean over all k micro-batches
-        if not local:
-            with record_function("finish gradient synchronization"):
-                variant.finish()
-    with record_function("optimizer"):
-        variant.optimizer.step()
-        variant.optimizer.zero_grad(set_to_none=True)
+    train_step(variant.wrapped, micro_batches, variant.optimizer, variant.finish)
     _synchronize(device)
     return time.perf_counter() - start
 
 
 def global_batch(cfg: Config) -> int:
-    return cfg.global_batch_size or cfg.batch_size * dist.get_world_size()
+    return cfg.global_batch(dist.get_world_size())
 
 
 def make_batches(
     model: nn.Module, cfg: Config, first_step: int, count: int, device: torch.device
 ) -> list[MicroBatches]:
-    """This rank's micro-batches for steps first_step .. first_step + count - 1, indexed
-    as ddp.train.train does (step * k + j).
-
-    Made before a round and shared by every variant in it: the same data for all, and
-    its generation stays out of the timed steps."""
-    rank, world, k = dist.get_rank(), dist.get_world_size(), cfg.accumulation_steps
+    """This rank's micro-batches for steps first_step .. first_step + count - 1, as
+    ddp.train.train makes them. Made before a round and shared by every variant in it:
+    the same data for all, and its generation stays out of the timed steps."""
     return [
-        [
-            tuple(
-                t.to(device)
-                for t in rank_batch(model, global_batch(cfg), i * k + j, rank, world, cfg.seed)
-            )
-            for j in range(k)
-        ]
-        for i in range(first_step, first_step + count)
+        make_micro_batches(model, cfg, i, device) for i in range(first_step, first_step + count)
     ]
 
 
