@@ -8,11 +8,26 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,docs]'
 	touch $@
 
-.PHONY: demo test bench docs
+# The browser tests (tests/test_tensorboard.py) drive Debian's Chromium: installed here when
+# we are root, as CI is (elsewhere they skip without it). They serve the profiler's Trace view
+# the webcomponents polyfill that it would load from a CDN, unpacked from its npm package.
+WEBCOMPONENTS := .vendor/webcomponents.js-0.7.24/webcomponents.min.js
+
+browser: $(WEBCOMPONENTS)
+	@command -v chromium >/dev/null || [ "$$(id -u)" -ne 0 ] || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+$(WEBCOMPONENTS):
+	@command -v npm >/dev/null || { echo "npm not found: the Trace view test will skip"; exit 0; }; \
+	mkdir -p $(@D) && cd $(@D) && npm pack --silent webcomponents.js@0.7.24 >/dev/null && \
+	tar -xzf webcomponents.js-0.7.24.tgz --no-same-owner --strip-components=1 package/webcomponents.min.js && \
+	rm webcomponents.js-0.7.24.tgz
+
+.PHONY: demo test bench docs browser
 demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Gloo ranks
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m stages --model cnn --steps 10
 
-test: $(BIN)/.installed  ## lint, the whole suite, and the strict docs build
+test: $(BIN)/.installed browser  ## lint, the whole suite, and the strict docs build
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
