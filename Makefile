@@ -23,7 +23,7 @@ $(WEBCOMPONENTS):
 	tar -xzf webcomponents.js-0.7.24.tgz --no-same-owner --strip-components=1 package/webcomponents.min.js && \
 	rm webcomponents.js-0.7.24.tgz
 
-.PHONY: demo test bench docs browser
+.PHONY: demo test docs browser
 demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Gloo ranks
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m stages --model cnn --steps 10
 
