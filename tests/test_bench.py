@@ -1,0 +1,195 @@
+"""The benchmark's arithmetic (profiling.bench): the perfect-overlap bound, the ratios
+to it, sweeps, and the tables and figure made from them. Pure functions on hand-made
+numbers: no processes, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddp.config import Config
+from profiling import bench
+from profiling.bench import COMM, FLOOR, REFERENCE
+
+
+def result(name: str, times: list[float], rounds: list[int], **extra) -> dict:
+    """A variant's raw result as `benchmark` makes it (seconds, slowest rank per step)."""
+    return {
+        "name": name,
+        "sweep_value": None,
+        "accumulation_steps": 1,
+        "step_times_s": times,
+        "step_rounds": rounds,
+        "allreduce_mib": [],
+        "syncs_per_step": 1,
+        "replicas_identical": None if name in (FLOOR, COMM) else True,
+        **extra,
+    }
+
+
+ROUNDS = [0, 0, 1, 1]
+
+
+def floor(c=(0.40, 0.42, 0.44, 0.46), f=(0.10,) * 4, o=(0.05,) * 4) -> dict:
+    return result(FLOOR, list(c), ROUNDS, forward_s=list(f), optimizer_s=list(o))
+
+
+def test_bound_is_communication_plus_what_cannot_overlap_it():
+    comm = result(COMM, [0.80, 0.82, 0.84, 0.86], ROUNDS)
+    bound = bench.perfect_overlap_bound(floor(), comm)
+    # medians: C 0.43, F 0.10, A 0.83, O 0.05 -> max(0.43, 0.98)
+    assert bound["bound_ms"] == pytest.approx(980.0)
+    assert bound["bound_by"] == "communication"
+    assert bound["compute_only_ms"] == pytest.approx(430.0)
+    assert bound["communication_alone_ms"] == pytest.approx(830.0)
+    # per round: round 0 max(0.41, 0.10 + 0.81 + 0.05), round 1 max(0.45, 0.10 + 0.85 + 0.05)
+    assert bound["per_round_ms"] == {"0": pytest.approx(960.0), "1": pytest.approx(1000.0)}
+
+
+def test_bound_is_compute_when_communication_is_cheap():
+    comm = result(COMM, [0.01] * 4, ROUNDS)
+    bound = bench.perfect_overlap_bound(floor(), comm)
+    assert bound["bound_ms"] == pytest.approx(430.0)
+    assert bound["bound_by"] == "compute"
+
+
+def test_no_bound_without_both_parts():
+    assert bench.perfect_overlap_bound(None, result(COMM, [0.1], [0])) is None
+    assert bench.perfect_overlap_bound(floor(), None) is None
+    # A compute_only without its parts (an older record) has none either.
+    assert bench.perfect_overlap_bound(result(FLOOR, [0.1], [0]), result(COMM, [0.1], [0])) is None
+
+
+def test_ratios_to_bound_and_reference_overall_and_per_round():
+    comm = result(COMM, [0.80, 0.82, 0.84, 0.86], ROUNDS)
+    stage = result("overlapped", [1.10, 1.12, 1.00, 1.04], ROUNDS)
+    ddp = result(REFERENCE, [1.00, 1.00, 1.00, 1.00], ROUNDS)
+    by_name = {r["name"]: r for r in (floor(), comm, stage, ddp)}
+    bound = bench.perfect_overlap_bound(by_name[FLOOR], comm)
+    entry = bench.variant_entry(stage, by_name, bound)
+    assert entry["median_ms"] == pytest.approx(1070.0)
+    assert entry["vs_bound"] == pytest.approx(1070.0 / 980.0)
+    assert entry["vs_torch_ddp"] == pytest.approx(1.07)
+    assert entry["vs_compute_only"] == pytest.approx(1.07 / 0.43)
+    assert entry["exposed_comm_ms"] == pytest.approx(640.0)
+    # round 0: 1.11 / 0.96, round 1: 1.02 / 1.00
+    paired = entry["round_vs_bound"]
+    assert paired["min"] == pytest.approx(1.02) and paired["max"] == pytest.approx(1.11 / 0.96)
+    assert entry["round_vs_torch_ddp"]["max"] == pytest.approx(1.11)
+    # Communication alone exposes nothing: it has no compute.
+    assert bench.variant_entry(comm, by_name, bound)["exposed_comm_ms"] is None
+
+
+def test_per_micro_batch_time_divides_by_the_micro_batches():
+    stage = result("skip_sync", [2.0, 2.4], [0, 0], accumulation_steps=4)
+    entry = bench.variant_entry(stage, {"skip_sync": stage}, None)
+    assert entry["per_micro_batch_ms"] == pytest.approx(550.0)
+    assert entry["vs_bound"] is None and entry["round_vs_torch_ddp"] is None
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "values"),
+    [
+        ("bucket_cap_mb=1e-6,1,25,1e6", "bucket_cap_mb", [1e-6, 1.0, 25.0, 1e6]),
+        ("accumulation-steps=1,2,4,8", "accumulation_steps", [1, 2, 4, 8]),
+        ("--batch-size=64,128", "batch_size", [64, 128]),
+    ],
+)
+def test_sweep_makes_one_config_per_value(text, field, values):
+    name, configs = bench.sweep_configs(Config(), text)
+    assert name == field
+    assert [v for v, _ in configs] == values
+    assert [getattr(c, field) for _, c in configs] == values
+    assert all(c.model == Config().model for _, c in configs)
+
+
+def test_no_sweep_is_one_config():
+    cfg = Config()
+    assert bench.sweep_configs(cfg, "") == ("", [(None, cfg)])
+
+
+@pytest.mark.parametrize(
+    "text", ["lr=0.1,0.2", "bucket_cap_mb", "bucket_cap_mb=", "accumulation_steps=1,x",
+             "accumulation_steps=1,1", "bucket_cap_mb=0,1", "accumulation_steps=1.5"],
+)  # fmt: skip
+def test_bad_sweeps_say_what_is_wrong(text):
+    with pytest.raises(ValueError):
+        bench.sweep_configs(Config(), text)
+
+
+def record_for_sweep() -> dict:
+    """A bucket-cap sweep as make_record lays it out: compute_only ran once (shared)."""
+    shared = bench.variant_entry(floor(), {FLOOR: floor()}, None)
+    variants, bounds = [shared], []
+    for cap, comm_s, stage_s in ((1.0, 0.83, 1.07), (1e6, 0.80, 1.40)):
+        comm = {**result(COMM, [comm_s] * 4, ROUNDS), "sweep_value": cap}
+        stage = {**result("overlapped", [stage_s] * 4, ROUNDS), "sweep_value": cap}
+        by_name = {FLOOR: floor(), COMM: comm, "overlapped": stage}
+        bound = bench.perfect_overlap_bound(floor(), comm)
+        bounds.append({"sweep_value": cap, "accumulation_steps": 1, **bound})
+        variants += [bench.variant_entry(r, by_name, bound) for r in (comm, stage)]
+    return {
+        "workload": "mlp-sweep",
+        "command": "python -m profiling.bench --sweep bucket_cap_mb=1,1e6",
+        "machine": {
+            "cpu": "cpu", "cores": 2, "usable_cores": 2, "threads_per_rank": 1,
+            "torch": "2.13.0", "date_utc": "2026-01-01 00:00", "load_average_end": [1, 1, 1],
+            "load_average_before": [1, 1, 1],
+        },
+        "settings": {
+            "model": "mlp", "width": 2048, "depth": 7, "parameters": 25_198_602,
+            "per_rank_batch": 256, "global_batch": 512, "accumulation_steps": 1,
+            "bucket_cap_mb": 25.0, "sweep": {"field": "bucket_cap_mb", "values": [1.0, 1e6]},
+            "backend": "gloo", "world_size": 2, "rounds": 2, "steps_per_round": 2,
+            "warmup_steps": 3, "round_warmup": 1, "network": {"rate": "1gbit"},
+            "elapsed_s": 10.0,
+        },
+        "bounds": bounds,
+        "variants": variants,
+    }  # fmt: skip
+
+
+def test_sweep_summary_has_a_row_per_value_with_the_shared_floor_in_each():
+    header, body = bench.sweep_summary(record_for_sweep())
+    assert header[0] == "bucket_cap_mb" and header[-1] == "overlapped ms (vs bound)"
+    assert [row[0] for row in body] == ["1", "1e+06"]
+    assert [row[1] for row in body] == ["430.0", "430.0"]  # compute_only, run once
+    assert body[0][3:] == ["980.0", "1070.0 (1.09x)"]
+    assert body[1][3:] == ["950.0", "1400.0 (1.47x)"]
+
+
+def test_tables_show_the_bound_and_the_shared_variant_for_every_value(capsys):
+    record = record_for_sweep()
+    columns = bench.columns(record)
+    assert "vs bound" in columns and columns[0] == "bucket_cap_mb"
+    table = bench.rows(record)
+    assert table[0][:2] == ["all", FLOOR]
+    assert all(len(row) == len(columns) for row in table)
+    text = bench.markdown([record])
+    assert "perfect-overlap bound = max(compute_only 430.0, forward 100.0" in text
+    assert "= 980.0 ms (communication-bound)" in text
+    bench.print_table(record)
+    assert "1070.0 (1.09x)" in capsys.readouterr().out
+
+
+def test_records_without_a_bound_still_render():
+    """Results written before the bound existed (docs/results/bench-loopback.json)."""
+    record = record_for_sweep()
+    del record["bounds"], record["settings"]["sweep"]
+    for v in record["variants"]:
+        v.pop("vs_bound"), v.pop("round_vs_bound")
+    assert "vs bound" not in bench.columns(record)
+    assert "| variant |" in bench.markdown([record])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    record = record_for_sweep()
+    plain = json.loads(json.dumps(record))
+    del plain["settings"]["sweep"]
+    plain["variants"] = [v for v in plain["variants"] if v["sweep_value"] in (None, 1.0)]
+    plain["bounds"] = plain["bounds"][:1]
+    path = tmp_path / "bench.png"
+    bench.plot([record, plain], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
