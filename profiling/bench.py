@@ -942,6 +942,11 @@ def markdown_table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def network_label(settings: dict) -> str:
+    """'loopback', '1gbit', ...; records made before --network existed ran on loopback."""
+    return settings.get("network", {"rate": "loopback"})["rate"].split()[0]
+
+
 def markdown(records: list[dict]) -> str:
     """A fragment for the docs: first line the commands, then one table per workload."""
     commands = " then ".join(f"`{r['command']}`" for r in records)
@@ -960,7 +965,7 @@ def markdown(records: list[dict]) -> str:
         title = f"{s['model']}, {s['parameters'] / 1e6:.1f}M parameters"
         if "sweep" in s:
             title += f", {s['sweep']['field']} swept"
-        title += f", {s['world_size']} ranks, {s['network']['rate'].split()[0]}"
+        title += f", {s['world_size']} ranks, {network_label(s)}"
         parts += ["", f"### {title}", "", describe(r) + "."]
         swept = s.get("sweep", {}).get("field", "")
         if r.get("bounds"):
@@ -1019,7 +1024,7 @@ def plot(records: list[dict], path: str) -> None:
         s = record["settings"]
         title = f"{s['model']} {s['parameters'] / 1e6:.1f}M, per-rank batch {s['per_rank_batch']}"
         cores = record["machine"].get("usable_cores")
-        title += f"\n{s['world_size']} ranks on {cores} cores, {s['network']['rate'].split()[0]}"
+        title += f"\n{s['world_size']} ranks on {cores} cores, {network_label(s)}"
         if "sweep" in s:
             _plot_sweep(ax, record)
         else:

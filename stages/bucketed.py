@@ -13,6 +13,7 @@ until backward has finished.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
@@ -44,10 +45,12 @@ class BucketedDDP(NaiveDDP):
         self._start_synchronization()
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
-                bucket.view_of(i).copy_(param.grad)  # in: works for non-contiguous grads too
+                # In, already divided (sum of g/W = mean), as torch's reducer does: one
+                # pass over the gradients instead of a copy and then a division. A view
+                # as `out` also takes non-contiguous gradients.
+                torch.div(param.grad, self.world_size, out=bucket.view_of(i))
             with record_function(f"allreduce bucket {bucket.index} ({bucket.nbytes} B)"):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
-            bucket.buffer.div_(self.world_size)
             for i, param in enumerate(bucket.params):
                 param.grad.copy_(bucket.view_of(i))  # out
 

@@ -78,7 +78,7 @@ class OverlappedDDP(BucketedDDP):
         if not self._finish_queued:  # runs once, when this whole backward is done
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._finish_queued = True
-        bucket.view_of(i).copy_(param.grad)
+        torch.div(param.grad, self.world_size, out=bucket.view_of(i))  # in, pre-divided
         self._ready[bucket.index][i] = True
         self._pending[bucket.index] -= 1
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
@@ -110,7 +110,6 @@ class OverlappedDDP(BucketedDDP):
                 "requires_grad_(False) if it should not train)"
             )
         for bucket, _ in self._in_flight:
-            bucket.buffer.div_(self.world_size)
             for i, param in enumerate(bucket.params):
                 param.grad.copy_(bucket.view_of(i))
 
