@@ -70,10 +70,10 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
     tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
     for step in range(cfg.warmup_steps + cfg.steps):
         micro_batches = make_micro_batches(model, cfg, step, device)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = train_step(wrapped, micro_batches, optimizer, finish)
-        _synchronize(device)
+        synchronize(device)
         step_s = time.perf_counter() - start
         if step >= cfg.warmup_steps:
             times.append(step_s)
@@ -177,13 +177,25 @@ class Tracing:
         self.writer.close()
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def stage_wrap(stage_cls: type[nn.Module]) -> Wrap:
     return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+
+
+def standard_runs() -> dict[str, Wrap]:
+    """The runs every comparison shows, in table order: the compute-only floor, every
+    stage, and torch's DDP as the reference."""
+    from stages import STAGES
+
+    return {
+        "compute_only": lambda model, cfg: ComputeOnly(model),
+        **{name: stage_wrap(cls) for name, cls in STAGES.items()},
+        "torch_ddp": torch_ddp_wrap,
+    }
 
 
 def torch_ddp_wrap(model: nn.Module, cfg: Config) -> nn.Module:

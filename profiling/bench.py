@@ -93,10 +93,9 @@ from ddp.train import (
     ComputeOnly,
     MicroBatches,
     Wrap,
-    _synchronize,
     make_micro_batches,
-    stage_wrap,
-    torch_ddp_wrap,
+    standard_runs,
+    synchronize,
     train_step,
 )
 
@@ -286,14 +285,8 @@ class Variant:
 def variant_wraps() -> dict[str, Wrap | None]:
     """Name -> wrap(model, cfg), in table order: the floor, communication alone (no
     wrapper), the stages, the reference."""
-    from stages import STAGES
-
-    return {
-        FLOOR: lambda model, cfg: ComputeOnly(model),
-        COMM: None,
-        **{name: stage_wrap(cls) for name, cls in STAGES.items()},
-        REFERENCE: torch_ddp_wrap,
-    }
+    runs = standard_runs()
+    return {FLOOR: runs.pop(FLOOR), COMM: None, **runs}
 
 
 def sweep_configs(cfg: Config, sweep: str) -> tuple[str, list[tuple[float | int, Config]]]:
@@ -363,13 +356,13 @@ def step(
     # Start together: otherwise a rank's time absorbs its partner's lag from the step
     # before (or from the previous variant), and "slowest rank" loses its meaning.
     dist.barrier()
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     if variant.name == COMM:
         communicate(variant.buckets)
     else:
         train_step(variant.wrapped, micro_batches, variant.optimizer, variant.finish)
-    _synchronize(device)
+    synchronize(device)
     end = time.perf_counter()
     if not variant.marks:
         return end - start, None, None

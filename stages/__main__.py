@@ -7,18 +7,13 @@ from __future__ import annotations
 
 from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
-from ddp.train import ComputeOnly, print_table, stage_wrap, torch_ddp_wrap, train
-from stages import STAGES
+from ddp.train import print_table, standard_runs, train
 
 
 def main() -> None:
     cfg = parse_config(description=__doc__)
     device = setup_process_group(cfg.backend)
-    runs = {
-        "compute_only": lambda model, cfg: ComputeOnly(model),
-        **{name: stage_wrap(cls) for name, cls in STAGES.items()},
-        "torch_ddp": torch_ddp_wrap,
-    }
+    runs = standard_runs()
     try:
         results = [train(name, wrap, cfg, device) for name, wrap in runs.items()]
         print_table(results, cfg, reference="torch_ddp")
