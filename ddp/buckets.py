@@ -28,36 +28,74 @@ class Bucket:
         return self.buffer.narrow(0, self.offsets[i], param.numel()).view(param.shape)
 
 
+Members = list[tuple[str, nn.Parameter]]
+
+
 def assign_buckets(
-    named_params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
+    named_params: list[tuple[str, nn.Parameter]],
+    bucket_cap_mb: float,
+    *,
+    first_bucket_cap_mb: float | None = None,
+    ready_order: bool = False,
 ) -> list[Bucket]:
+    """Buckets as `plan_buckets` lays them out, each with its zeroed flat buffer."""
+    plan = plan_buckets(
+        named_params,
+        bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        ready_order=ready_order,
+    )
+    return [_make_bucket(index, members) for index, members in enumerate(plan)]
+
+
+def plan_buckets(
+    named_params: list[tuple[str, nn.Parameter]],
+    bucket_cap_mb: float,
+    *,
+    first_bucket_cap_mb: float | None = None,
+    ready_order: bool = False,
+) -> list[Members]:
     """Group gradients into buckets of at most `bucket_cap_mb` MiB each.
 
     Parameters are taken in reverse order because backward produces gradients roughly
-    last layer first, so the first bucket fills first. A bucket holds one dtype on one
-    device (a flat buffer has one of each); a parameter larger than the cap gets a
-    bucket of its own. Frozen parameters have no gradient and no bucket."""
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
-    cap_bytes = bucket_cap_mb * 2**20  # MiB of gradient bytes, as in torch's DDP
+    last layer first, so the first bucket fills first; with `ready_order=True` they are
+    taken in the order given (the order gradients were seen to become ready). A bucket
+    holds one dtype on one device (a flat buffer has one of each); a parameter larger
+    than the cap gets a bucket of its own. The first bucket of each dtype may have a
+    smaller cap, `first_bucket_cap_mb`, so that the first all-reduce starts early.
+    Frozen parameters have no gradient and no bucket."""
+    for name, cap in (
+        ("bucket_cap_mb", bucket_cap_mb),
+        ("first_bucket_cap_mb", first_bucket_cap_mb),
+    ):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name} must be > 0 MiB, got {cap}")
+    caps_bytes = [  # MiB of gradient bytes, as in torch's DDP: the first bucket, the rest
+        (first_bucket_cap_mb or bucket_cap_mb) * 2**20,
+        bucket_cap_mb * 2**20,
+    ]
+    ordered = list(named_params) if ready_order else list(reversed(named_params))
     closed: list[list[tuple[str, nn.Parameter]]] = []
     open_by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
-    for name, param in reversed(named_params):
+    closed_by_kind: dict[tuple[torch.dtype, torch.device], int] = {}
+    for name, param in ordered:
         if not param.requires_grad:
             continue
         kind = (param.dtype, param.device)
         members = open_by_kind.setdefault(kind, [])
         nbytes = sum(p.numel() * p.element_size() for _, p in members)
+        cap_bytes = caps_bytes[min(closed_by_kind.get(kind, 0), 1)]
         if members and nbytes + param.numel() * param.element_size() > cap_bytes:
             closed.append(members)
+            closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
             members = open_by_kind[kind] = []
         members.append((name, param))
     closed.extend(members for members in open_by_kind.values() if members)
     # All ranks must all-reduce buckets in the same order: order them by where their
-    # first parameter stands in the reversed parameter list, which every rank shares.
-    position = {id(p): i for i, (_, p) in enumerate(reversed(named_params))}
+    # first parameter stands in the parameter order, which every rank shares.
+    position = {id(p): i for i, (_, p) in enumerate(ordered)}
     closed.sort(key=lambda members: position[id(members[0][1])])
-    return [_make_bucket(index, members) for index, members in enumerate(closed)]
+    return closed
 
 
 def _make_bucket(index: int, members: list[tuple[str, nn.Parameter]]) -> Bucket:

@@ -94,15 +94,17 @@ def _describe(entry: tuple) -> str:
     return f"'{name}' {list(shape)} {dtype}{frozen}"
 
 
-def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup) -> None:
-    """Copy rank 0's parameters and buffers to every rank.
+def broadcast_module_states(
+    module: nn.Module, process_group: dist.ProcessGroup, src: int = 0, buffers: bool = True
+) -> None:
+    """Copy group rank `src`'s parameters (and buffers) to every rank.
 
     Ranks seed differently (torch.initial_seed() differs per process), so without this
     replicas start from different weights and never agree."""
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*module.parameters(), *(module.buffers() if buffers else [])]:
             in_place_collective(
-                tensor, lambda t: dist.broadcast(t, group=process_group, group_src=0)
+                tensor, lambda t: dist.broadcast(t, group=process_group, group_src=src)
             )
 
 

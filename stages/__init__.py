@@ -12,6 +12,15 @@ _ORDER = {
     "bucketed": "BucketedDDP",
     "overlapped": "OverlappedDDP",
     "skip_sync": "SkipSyncDDP",
+    "unused_params": "UnusedParamsDDP",
+    "buffers": "BuffersDDP",
+    "grad_views": "GradViewsDDP",
+    "rebuilt_buckets": "RebuiltBucketsDDP",
+    "comm_hooks": "CommHooksDDP",
+    "round_robin": "RoundRobinDDP",
+    "join": "JoinDDP",
+    "auto_bucket": "AutoBucketDDP",
+    "drop_in": "DistributedDataParallel",
 }
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from ddp.buckets import assign_buckets
+from ddp.buckets import Bucket, assign_buckets
 from stages.naive import NaiveDDP
 
 
@@ -36,6 +36,7 @@ class BucketedDDP(NaiveDDP):
         super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
         # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket.
         self.buckets = assign_buckets(list(module.named_parameters()), bucket_cap_mb)
+        self._grad_divisor = self.world_size  # sum over ranks of g / W = the mean
 
     # --8<-- [end:construction]
 
@@ -45,14 +46,20 @@ class BucketedDDP(NaiveDDP):
         self._start_synchronization()
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
-                # In, already divided (sum of g/W = mean), as torch's reducer does: one
-                # pass over the gradients instead of a copy and then a division. A view
-                # as `out` also takes non-contiguous gradients.
-                torch.div(param.grad, self.world_size, out=bucket.view_of(i))
+                self._copy_in(bucket, i, param.grad)
             with record_function(f"allreduce bucket {bucket.index} ({bucket.nbytes} B)"):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
-            for i, param in enumerate(bucket.params):
-                param.grad.copy_(bucket.view_of(i))  # out
+            self._copy_out(bucket)
+
+    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
+        # Already divided (sum of g/W = mean), as torch's reducer does: one pass over
+        # the gradient instead of a copy and then a division. A view as `out` also
+        # takes non-contiguous gradients.
+        torch.div(grad, self._grad_divisor, out=bucket.view_of(i))
+
+    def _copy_out(self, bucket: Bucket) -> None:
+        for i, param in enumerate(bucket.params):
+            param.grad.copy_(bucket.view_of(i))
 
     # --8<-- [end:finish]
 

@@ -44,10 +44,13 @@ class NaiveDDP(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.bucket_cap_mb = bucket_cap_mb  # unused here: no buckets yet
         check_same_parameters(module, self.process_group)
-        broadcast_module_states(module, self.process_group)
+        self._broadcast_initial_states()
         # Tied weights appear once in named_parameters(), so each gradient is sent once.
         self.named_trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._awaiting_sync = False  # a forward ran whose gradients are not yet averaged
+
+    def _broadcast_initial_states(self) -> None:
+        broadcast_module_states(self.module, self.process_group)  # rank 0's, to all
 
     # --8<-- [end:construction]
 

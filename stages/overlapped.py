@@ -41,6 +41,10 @@ class OverlappedDDP(BucketedDDP):
         bucket_cap_mb: float = 25.0,
     ):
         super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+        self._register_hooks()
+        self._prepare_for_backward()
+
+    def _register_hooks(self) -> None:
         # Fires once per backward, after the parameter's gradient is summed into .grad
         # (once even for tied weights that receive gradient from two places).
         self._hook_handles = [
@@ -48,7 +52,6 @@ class OverlappedDDP(BucketedDDP):
             for bucket in self.buckets
             for i, param in enumerate(bucket.params)
         ]
-        self._prepare_for_backward()
 
     # --8<-- [end:construction]
 
@@ -78,15 +81,22 @@ class OverlappedDDP(BucketedDDP):
         if not self._finish_queued:  # runs once, when this whole backward is done
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._finish_queued = True
-        torch.div(param.grad, self.world_size, out=bucket.view_of(i))  # in, pre-divided
+        self._mark_ready(bucket, i, param.grad)
+
+    def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
+        self._copy_in(bucket, i, grad)
         self._ready[bucket.index][i] = True
         self._pending[bucket.index] -= 1
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-            ready = self.buckets[self._next_bucket]
-            with record_function(f"allreduce bucket {ready.index} ({ready.nbytes} B)"):
-                work = dist.all_reduce(ready.buffer, group=self.process_group, async_op=True)
-            self._in_flight.append((ready, work))
+            self._in_flight.append(
+                (self.buckets[self._next_bucket], self._launch(self._next_bucket))
+            )
             self._next_bucket += 1
+
+    def _launch(self, index: int) -> dist.Work:
+        bucket = self.buckets[index]
+        with record_function(f"allreduce bucket {index} ({bucket.nbytes} B)"):
+            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     # --8<-- [end:backward]
 
@@ -110,8 +120,7 @@ class OverlappedDDP(BucketedDDP):
                 "requires_grad_(False) if it should not train)"
             )
         for bucket, _ in self._in_flight:
-            for i, param in enumerate(bucket.params):
-                param.grad.copy_(bucket.view_of(i))
+            self._copy_out(bucket)
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing left to do after loss.backward(): its last callback finished it."""

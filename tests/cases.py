@@ -12,9 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ddp import comm_hooks
 from stages import STAGES
+from tests import pool
 
 WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
+# Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
+TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class Case:
     optimizer: str  # sgd | adam
     bucket_cap_mb: float
     seed: int
+    options: tuple[tuple[str, object], ...] = ()  # keyword options of the later stages
+    set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
 
 
 @dataclass
@@ -159,7 +165,10 @@ class CollectiveLog:
 def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: CollectiveLog):
     if case.wrapper == "torch_ddp":
         ddp = nn.parallel.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=case.bucket_cap_mb
+            model,
+            process_group=group,
+            bucket_cap_mb=case.bucket_cap_mb,
+            **{k: v for k, v in case.options if k in TORCH_OPTIONS},
         )
 
         def counting_hook(state, bucket):  # torch's collectives bypass torch.distributed
@@ -168,7 +177,20 @@ def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: Collective
 
         ddp.register_comm_hook(None, counting_hook)
         return ddp
-    return STAGES[case.wrapper](model, process_group=group, bucket_cap_mb=case.bucket_cap_mb)
+    options = dict(case.options)
+    hook = options.pop("comm_hook", None)
+    if "round_robin_groups" in options:  # k - 1 groups the pool made over the same ranks
+        options["round_robin_groups"] = pool.ROUND_ROBIN[case.world_size][
+            : options["round_robin_groups"] - 1
+        ]
+    wrapped = STAGES[case.wrapper](
+        model, process_group=group, bucket_cap_mb=case.bucket_cap_mb, **options
+    )
+    if hook == "allreduce":
+        wrapped.register_comm_hook(group, comm_hooks.allreduce_hook)
+    elif hook == "torch_allreduce":  # torch's own hook takes our GradBucket too
+        wrapped.register_comm_hook(group, default_hooks.allreduce_hook)
+    return wrapped
 
 
 def synchronize(wrapped: nn.Module) -> None:
@@ -202,7 +224,7 @@ def run_case(rank: int, group: dist.ProcessGroup, case: Case) -> RankRun:
         run.calls.append(step_calls)
         run.grads.append([_clone(p.grad) for p in model.parameters()])
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])
     return run
 
@@ -226,23 +248,44 @@ def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
             (loss / case.accumulation).backward()
         run.grads.append([_clone(p.grad) for p in model.parameters()])
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])
     return run
 
 
-def expected_bucket_sizes(model: nn.Module, bucket_cap_mb: float) -> list[int]:
+def ready_order(case: Case) -> tuple[nn.Module, list[nn.Parameter]]:
+    """The order one backward makes the trainable parameters' gradients ready in, seen by
+    hooks on a fresh single-process copy of the net."""
+    model = build_net(case.net, seed=0)
+    order: list[nn.Parameter] = []
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(order.append)
+    inputs, targets = global_batch(case, 0)
+    F.mse_loss(model(inputs[0]), targets[0]).backward()
+    return model, order
+
+
+def expected_bucket_sizes(
+    model: nn.Module,
+    bucket_cap_mb: float,
+    order: list[nn.Parameter] | None = None,
+    first_cap_mb: float | None = None,
+) -> list[int]:
     """The bucket layout DESIGN.md specifies, computed independently of ddp.buckets:
-    reverse parameter order, per dtype, close a bucket before it would pass the cap."""
-    cap_bytes = bucket_cap_mb * 2**20
-    trainable = [p for p in model.parameters() if p.requires_grad][::-1]
+    reverse parameter order (or `order`), per dtype, close a bucket before it would
+    pass the cap (`first_cap_mb` for a dtype's first bucket)."""
+    caps = [(first_cap_mb or bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20]
+    trainable = order or [p for p in model.parameters() if p.requires_grad][::-1]
     buckets: list[list[nn.Parameter]] = []
     open_bucket: dict[torch.dtype, list[nn.Parameter]] = {}
+    closed: dict[torch.dtype, int] = {}
     for p in trainable:
         members = open_bucket.setdefault(p.dtype, [])
         size = sum(q.numel() * q.element_size() for q in members) + p.numel() * p.element_size()
-        if members and size > cap_bytes:
+        if members and size > caps[min(closed.get(p.dtype, 0), 1)]:
             buckets.append(members)
+            closed[p.dtype] = closed.get(p.dtype, 0) + 1
             members = open_bucket[p.dtype] = []
         members.append(p)
     buckets += [m for m in open_bucket.values() if m]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_WORLD = 4
+ROUND_ROBIN: dict = {}  # in a worker: world size -> extra groups over the same ranks
 
 
 @dataclass
@@ -44,6 +45,8 @@ def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue)
     )
     # Every rank must take part in creating every subgroup, in the same order.
     groups = {w: dist.new_group(list(range(w))) for w in range(1, world + 1)}
+    for w in range(1, world + 1):  # for stages that spread buckets over several groups
+        ROUND_ROBIN[w] = [dist.new_group(list(range(w))) for _ in range(2)]
     outbox.put((rank, pickle.dumps("ready")))
     while True:
         job = inbox.get()

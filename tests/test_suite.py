@@ -10,12 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stages import STAGES
 from tests.cases import (
     WRAPPERS,
     Case,
     NetSpec,
     build_net,
     expected_bucket_sizes,
+    ready_order,
     reference_run,
     run_case,
 )
@@ -43,6 +45,36 @@ def nets(draw) -> NetSpec:
     )
 
 
+def stages_from(first: str) -> list[str]:
+    order = [*STAGES, "torch_ddp"]
+    return order[order.index(first) :]
+
+
+CAPS = st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0))
+
+
+@st.composite
+def options(draw, wrapper: str) -> tuple[tuple[str, object], ...]:
+    """The keyword options the stage (or torch's DDP) has, drawn."""
+    drawn = {}
+    if wrapper in stages_from("unused_params"):
+        drawn["find_unused_parameters"] = draw(st.booleans())
+    if wrapper in stages_from("buffers"):
+        drawn["broadcast_buffers"] = draw(st.booleans())
+    if wrapper in stages_from("grad_views"):
+        drawn["gradient_as_bucket_view"] = draw(st.booleans())
+    ours = wrapper != "torch_ddp"
+    if wrapper in stages_from("rebuilt_buckets") and ours and wrapper != "drop_in":
+        drawn["first_bucket_cap_mb"] = draw(st.one_of(st.none(), CAPS))
+    if wrapper in stages_from("comm_hooks") and ours:  # ours, or torch's own hook
+        drawn["comm_hook"] = draw(st.sampled_from([None, "allreduce", "torch_allreduce"]))
+    if wrapper in stages_from("round_robin") and ours:
+        drawn["round_robin_groups"] = draw(st.integers(1, 3))
+    if wrapper == "drop_in":
+        drawn["static_graph"] = draw(st.booleans())
+    return tuple(drawn.items())
+
+
 def cases(wrapper: str) -> st.SearchStrategy[Case]:
     return st.builds(
         Case,
@@ -55,8 +87,10 @@ def cases(wrapper: str) -> st.SearchStrategy[Case]:
         optimizer=st.sampled_from(["sgd", "adam"]),
         # MiB; these parameters hold 4 B to 256 B, so 1e-9 puts one parameter in each
         # bucket and 25 puts all in one.
-        bucket_cap_mb=st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0)),
+        bucket_cap_mb=CAPS,
         seed=st.integers(0, 2**16),
+        options=options(wrapper),
+        set_to_none=st.booleans(),
     )
 
 
@@ -113,9 +147,24 @@ def check_case(pool, case: Case) -> None:
     model = build_net(case.net, seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     buckets = expected_bucket_sizes(model, case.bucket_cap_mb)
-    for step_calls in rank0.calls:
+    after = lambda stage: case.wrapper in stages_from(stage)  # noqa: E731
+    opts = dict(case.options)
+    rebuilds = after("rebuilt_buckets") and (
+        not opts.get("find_unused_parameters") or opts.get("static_graph")
+    )
+    if rebuilds:  # from the second step on, in the order gradients became ready
+        ready_model, order = ready_order(case)
+        rebuilt = expected_bucket_sizes(
+            ready_model,
+            case.bucket_cap_mb,
+            order,
+            min(opts.get("first_bucket_cap_mb") or case.bucket_cap_mb, case.bucket_cap_mb),
+        )
+    for step, step_calls in enumerate(rank0.calls):
+        if rebuilds and step > 0:
+            buckets = rebuilt
         for j, calls in enumerate(step_calls):
-            skipped = case.wrapper in ("skip_sync", "torch_ddp") and j < case.accumulation - 1
+            skipped = after("skip_sync") and j < case.accumulation - 1
             if skipped:
                 assert calls == [], f"collectives inside no_sync: {calls}"
             elif case.wrapper == "naive":
@@ -124,8 +173,13 @@ def check_case(pool, case: Case) -> None:
                 assert len(calls) >= 1 and {c[0] for c in calls} == {"all_reduce"}
             else:
                 # One per bucket, launched in bucket order (not the order they filled in).
-                assert rank0.bucket_sizes == buckets, "bucket layout"
-                assert calls == [("all_reduce", (n,)) for n in buckets], (
+                assert step > 0 or rank0.bucket_sizes == buckets, "bucket layout"
+                expected = [("all_reduce", (n,)) for n in buckets]
+                if rebuilds and step == 1:  # rank 0's ready order, once
+                    expected.insert(0, ("broadcast", (len(trainable),)))
+                if after("unused_params"):  # and one for the bitmap of who used what
+                    expected.append(("all_reduce", (case.world_size, 2 * len(trainable) + 1)))
+                assert calls == expected, (
                     f"expected one all_reduce per bucket in bucket order {buckets}, got {calls}"
                 )
 

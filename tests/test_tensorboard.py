@@ -182,10 +182,18 @@ def test_all_reduced_bytes_are_the_gradients(tensorboard: TensorBoard, run: str)
     model = build_model("cnn")
     grad_bytes = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)  # float32
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # BatchNorm stats
-    # torch DDP also broadcasts rank 0's buffers at every forward (broadcast_buffers=True);
-    # the stages leave each rank's BatchNorm statistics alone.
-    expected = {"gloo:all_reduce": steps * grad_bytes}
+    order = [*STAGES, "torch_ddp"]
+    later = lambda stage: order.index(run) >= order.index(stage)  # noqa: E731
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    # From unused_params on, the stages also all-reduce who-used-what: (W, 2n + 1) int32.
+    status_bytes = 4 * len(RANKS) * (2 * n_params + 1) if later("unused_params") else 0
     if run == "torch_ddp":
+        status_bytes = 0
+    expected = {"gloo:all_reduce": steps * (grad_bytes + status_bytes)}
+    # torch DDP, and the stages from buffers on, also broadcast rank 0's buffers at every
+    # forward (broadcast_buffers=True); the earlier stages leave each rank's BatchNorm
+    # statistics alone.
+    if later("buffers"):
         expected["gloo:broadcast"] = steps * buffer_bytes
     ops = tensorboard.get(f"{PLUGIN}/distributed/commops?run={run}&span={span}")["data"]
     for rank in RANKS:

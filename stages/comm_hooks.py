@@ -1,0 +1,80 @@
+"""Stage 9, comm_hooks: what travels, and how, is a function you can swap.
+
+Plain averaging is one choice among several. `register_comm_hook(state, hook)`, with
+torch DDP's signature, hands each full bucket to `hook(state, bucket)`, which returns a
+`torch.futures.Future` of the averaged flat bucket; the stage writes that result back
+into the gradients. The bucket is a `ddp.comm_hooks.GradBucket`, with the methods of
+torch's `GradBucket`, so torch's own built-in hooks run here unchanged, and so do the
+reimplementations in `ddp/comm_hooks.py`: plain all-reduce, fp16 and bf16 compression
+(half the bytes on the wire) and PowerSGD (low-rank compression with error feedback).
+
+    torchrun --standalone --nproc-per-node 2 -m stages.comm_hooks --model mlp
+
+As with torch's reducer, a registered hook gets the local gradients *summed*, not yet
+divided by the world size: the hook decides when to divide (before compressing, so
+that half precision does not overflow). Cost: the stage calls the hook for a bucket
+only once the previous bucket's future is done. Hooks such as PowerSGD wait for
+collectives inside their callbacks, which run on Gloo's few worker threads; with
+several buckets in flight those threads all block and the ranks hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ddp.comm_hooks import GradBucket
+from stages.rebuilt_buckets import RebuiltBucketsDDP
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+# --8<-- [start:construction]
+class CommHooksDDP(RebuiltBucketsDDP):
+    """Stage 9: `register_comm_hook(state, hook)`: each bucket goes through `hook`."""
+
+    _comm_hook: CommHook | None = None
+    _comm_state: Any = None
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Send every bucket through `hook(state, bucket)` from the next backward on."""
+        if self._comm_hook is not None:
+            raise RuntimeError(f"{type(self).__name__}: register_comm_hook may be called once")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._comm_hook, self._comm_state = hook, state
+        self._grad_divisor = 1  # the hook averages, as torch's built-in hooks do
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:backward]
+    def _launch(self, index: int) -> dist.Work | torch.futures.Future:
+        if self._comm_hook is None:
+            return super()._launch(index)
+        if self._in_flight:  # one hook at a time: see the module docstring
+            self._in_flight[-1][1].wait()
+        bucket = self.buckets[index]
+        with record_function(f"comm hook bucket {index} ({bucket.nbytes} B)"):
+            future = self._comm_hook(
+                self._comm_state, GradBucket(bucket, is_last=index == len(self.buckets) - 1)
+            )
+
+        def write_back(done: torch.futures.Future) -> torch.Tensor:
+            result = done.value()
+            if result.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(result)  # e.g. a half-precision result, cast back
+            return bucket.buffer
+
+        return future.then(write_back)
+
+    # --8<-- [end:backward]
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("comm_hooks")

@@ -1,0 +1,159 @@
+"""Stage 13, drop_in: torch's constructor and methods, so a torch DDP script runs unchanged.
+
+Every idea is in place; this last stage adds none. It takes
+`torch.nn.parallel.DistributedDataParallel`'s constructor arguments with torch's
+defaults and meanings, so that changing one import line moves a training script from
+torch's DDP to this one:
+
+    # from torch.nn.parallel import DistributedDataParallel as DDP
+    from stages.drop_in import DistributedDataParallel as DDP
+
+    model = DDP(model, device_ids=[local_rank], bucket_cap_mb=25, find_unused_parameters=False)
+    with model.no_sync(): ...
+    model.register_comm_hook(state, hook)
+    torch.save(model.module.state_dict(), path)   # or model.state_dict(): "module." keys
+
+    torchrun --standalone --nproc-per-node 2 -m stages.drop_in --model cnn
+
+As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, and a cap
+you give applies to the first bucket too. `static_graph=True` promises the graph is
+the same every step; here it only lets buckets be rebuilt with
+`find_unused_parameters=True`. `device_ids` and `output_device` are accepted for one
+device per process, the only mode torch still supports. Arguments this project does
+not implement (`mixed_precision`, `device_mesh`, ...) raise an error naming them when
+set to anything but torch's default. The signature is torch 2.13's, positional order
+included (`init_sync` after `broadcast_buffers`, `forward_sync_buffers` last).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.dist import broadcast_module_states
+from stages.auto_bucket import AutoBucketDDP
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch's default
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, in MiB
+
+
+# --8<-- [start:construction]
+class DistributedDataParallel(AutoBucketDDP):
+    """Stage 13: every idea so far, behind torch DDP's constructor."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,  # deprecated in torch for the next one
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | str | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,  # deprecated in torch, ignored there too
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list=None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        round_robin_groups: int = 1,  # this project's extension (stage 10)
+    ):
+        not_default = {
+            name: value
+            for name, value, default in [
+                ("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
+                ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
+                ("mixed_precision", mixed_precision, None),
+                ("device_mesh", device_mesh, None),
+                ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
+                ("bucket_cap_mb_list", bucket_cap_mb_list, None),
+                ("batched_grad_copy", batched_grad_copy, False),
+            ]
+            if value != default
+        }
+        if not_default:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement {sorted(not_default)}; "
+                "use torch.nn.parallel.DistributedDataParallel for those"
+            )
+        if dim != 0:
+            raise NotImplementedError(f"only dim=0 is supported, got dim={dim}")
+        _check_one_device(module, device_ids, output_device)
+        self.device_ids = device_ids
+        self.static_graph = static_graph
+        # torch 2.13's rules: forward_sync_buffers wins, and then buffers are always
+        # broadcast at construction; else broadcast_buffers (default True) decides both.
+        if forward_sync_buffers is not None:
+            forward_sync, self._init_sync_buffers = forward_sync_buffers, True
+        else:
+            forward_sync = self._init_sync_buffers = (
+                True if broadcast_buffers is None else broadcast_buffers
+            )
+        self._init_sync = init_sync
+        super().__init__(
+            module,
+            process_group=process_group,
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_cap_mb=DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else None,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=forward_sync,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            round_robin_groups=round_robin_groups,
+        )
+
+    def _broadcast_initial_states(self) -> None:
+        if self._init_sync:  # init_sync=False: the caller promises identical replicas
+            broadcast_module_states(
+                self.module, self.process_group, buffers=self._init_sync_buffers
+            )
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:forward]
+    def _should_rebuild(self) -> bool:
+        if self.static_graph and self.find_unused_parameters:  # the graph will not change
+            return not self._rebuilt and bool(self._ready_order) and self.require_backward_grad_sync
+        return super()._should_rebuild()
+
+    def _set_static_graph(self) -> None:
+        """torch's older spelling of static_graph=True."""
+        self.static_graph = True
+
+    # --8<-- [end:forward]
+
+
+def _check_one_device(
+    module: nn.Module,
+    device_ids: list[int | torch.device] | None,
+    output_device: int | torch.device | None,
+) -> None:
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the module's parameters are on several devices {devices}; one only")
+    if device_ids is None:
+        return
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids must hold one device (one per process), got {device_ids}")
+    wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else None
+    (device,) = devices or {torch.device("cpu")}
+    if device.type == "cpu":
+        raise ValueError("device_ids must be None for a CPU module, as in torch's DDP")
+    if (wanted or torch.device(device.type, device_ids[0])) != device:
+        raise ValueError(f"device_ids {device_ids} do not match the module's device {device}")
+    if output_device is not None and output_device not in (device_ids[0], device):
+        raise ValueError(f"output_device {output_device} differs from the module's {device}")
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("drop_in")

@@ -1,0 +1,66 @@
+"""Stage 7, grad_views: `.grad` tensors are views into the buckets' flat buffers.
+
+Until now every gradient lived twice: once in `.grad`, where autograd puts it, and once
+in its bucket, where the all-reduce needs it, with a copy in and a copy out every step.
+With `gradient_as_bucket_view=True` (torch's name), after the first step each
+parameter's `.grad` *is* its slice of the bucket buffer. Autograd then accumulates
+straight into the bucket, the all-reduce averages it in place, and the optimizer reads
+the result there: no second copy of the gradients in memory, and no copy in or out.
+
+    torchrun --standalone --nproc-per-node 2 -m stages.grad_views --model mlp
+
+The saving lasts only while `.grad` stays the view: `optimizer.zero_grad(set_to_none=True)`
+(torch's default) drops it, autograd allocates a fresh gradient next backward, and this
+stage copies it in once more and re-points `.grad`. Use `zero_grad(set_to_none=False)`
+to keep the views, as torch's documentation advises for this option.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddp.buckets import Bucket
+from stages.buffers import BuffersDDP
+
+
+# --8<-- [start:construction]
+class GradViewsDDP(BuffersDDP):
+    """Stage 7: `gradient_as_bucket_view`: gradients live in the bucket buffers."""
+
+    def __init__(self, module: nn.Module, *, gradient_as_bucket_view: bool = False, **options):
+        super().__init__(module, **options)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:backward]
+    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
+        view = bucket.view_of(i)
+        if not self.gradient_as_bucket_view or grad is None:
+            super()._copy_in(bucket, i, grad)
+        elif grad.data_ptr() == view.data_ptr():  # autograd summed into the bucket itself
+            if self._grad_divisor != 1:
+                grad.div_(self._grad_divisor)
+        else:  # a fresh gradient (the first step, or after zero_grad(set_to_none=True))
+            torch.div(grad, self._grad_divisor, out=view)
+            bucket.params[i].grad = view
+
+    # --8<-- [end:backward]
+
+    # --8<-- [start:finish]
+    def _copy_out(self, bucket: Bucket) -> None:
+        if not self.gradient_as_bucket_view:
+            return super()._copy_out(bucket)
+        for i, param in enumerate(bucket.params):
+            if self._globally_used[self._position[id(param)]] and param.grad is None:
+                param.grad = bucket.view_of(i)  # unused here, used elsewhere
+        # Every other .grad already is its view: the average is in place.
+
+    # --8<-- [end:finish]
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("grad_views")

@@ -1,0 +1,157 @@
+"""Stage 11, join: a rank that runs out of batches does not hang the others.
+
+Each synchronised backward is a set of collectives every rank must join. If one rank
+has fewer batches (an uneven last shard, a filtered dataset), it leaves the loop while
+the others wait for it in an all-reduce for ever. torch solves this with its generic
+`torch.distributed.algorithms.Join` context manager, and this stage plugs into that
+same manager: it is a `Joinable`. While training, every forward tells the manager this
+rank is still in (one small all-reduce). A rank that has left the loop then *shadows*
+the others: for every step they still take, it joins the same collectives (the buffer
+broadcast, one all-reduce of zeros per bucket, the bitmap), contributing nothing.
+When every rank is done, the model is broadcast from the last rank to finish, so the
+replicas agree again.
+
+    with model.join():  # or torch.distributed.algorithms.Join([model])
+        for x, y in my_uneven_batches:
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+
+    torchrun --standalone --nproc-per-node 2 -m stages.join --model mlp
+
+Gradients are divided by the initial world size (`divide_by_initial_world_size=True`,
+as in torch), so a step in which a rank has joined averages over fewer samples but
+keeps the same scale; `False` divides by the ranks still in. Cost: two small
+all-reduces per forward inside the context manager (three when buffers are
+broadcast: the ranks agree on a source that has not left), none outside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from ddp.dist import broadcast_module_states
+from stages.round_robin import RoundRobinDDP
+
+
+# --8<-- [start:construction]
+class JoinDDP(RoundRobinDDP, Joinable):
+    """Stage 11: a `Joinable`: ranks with fewer inputs shadow the others' collectives."""
+
+    def __init__(self, module: nn.Module, **options):
+        super().__init__(module, **options)
+        Joinable.__init__(self)  # the manager's switch, off outside `with Join(...)`
+        self._divide_by_initial_world_size = True
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch DDP's `join()`: a Join context manager over this model alone."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return _ShadowCollectives(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._status_device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    # --8<-- [end:construction]
+
+    # --8<-- [start:forward]
+    def forward(self, *inputs, **kwargs):
+        joining = self._join_config.enable
+        still_in = Join.notify_join_context(self)  # all-reduce of 1 per rank still in
+        if self._comm_hook is None:  # a hook divides by itself
+            self._grad_divisor = self.world_size
+            if joining and not self._divide_by_initial_world_size:
+                still_in.wait()
+                self._grad_divisor = int(still_in.result()[0].item())
+        if joining:  # tells the ranks that have left whether this backward synchronises
+            syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
+            dist.all_reduce(torch.tensor([float(syncs)]), group=self.process_group)
+        return super().forward(*inputs, **kwargs)
+
+    def _broadcast_buffers(self, src: int = 0) -> None:
+        if self._join_config.enable:  # rank 0 may have left with stale buffers
+            src = self._common_rank(candidate=True)
+        super()._broadcast_buffers(src)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest group rank among the candidates, agreed by all ranks."""
+        rank = torch.tensor([self.rank if candidate else -1])
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(rank.item())
+
+    # --8<-- [end:forward]
+
+    @property
+    def _status_device(self) -> torch.device:
+        return self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+
+
+# --8<-- [start:shadow]
+class _ShadowCollectives(JoinHook):
+    """What a rank that has left the loop does for each step the others still take."""
+
+    def __init__(self, ddp: JoinDDP):
+        self.ddp = ddp
+        self.shadowed_backward = False
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        syncs = torch.zeros(1)
+        dist.all_reduce(syncs, group=ddp.process_group)  # matches forward's flag
+        syncs = bool(syncs.item())
+        # The others rebuild their buckets at their first synchronising forward after a
+        # synchronised backward (which this rank ran, or shadowed): so does this one.
+        seen_backward = bool(ddp._ready_order) or self.shadowed_backward
+        if syncs and seen_backward and not ddp._rebuilt and not ddp.find_unused_parameters:
+            ddp._rebuild_buckets(ddp.bucket_cap_mb, ddp.first_bucket_cap_mb)
+        if ddp.broadcast_buffers and ddp.require_forward_param_sync:
+            super(JoinDDP, ddp)._broadcast_buffers(ddp._common_rank(candidate=False))
+        ddp.require_forward_param_sync = syncs
+        if not syncs:
+            return
+        # The backward the others run: every bucket, in order, with zeros from us.
+        ddp._in_flight = []
+        for index, bucket in enumerate(ddp.buckets):
+            bucket.buffer.zero_()
+            ddp._in_flight.append((bucket, ddp._launch(index)))
+        for _, work in ddp._in_flight:
+            work.wait()
+        n = len(ddp.named_trainable)
+        status = torch.zeros(ddp.world_size, 2 * n + 1, dtype=torch.int32)
+        status[ddp.rank, :n] = 1  # "ready": a rank that has left misses nothing
+        dist.all_reduce(status, group=ddp.process_group)
+        self.shadowed_backward = True
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
+        ddp = self.ddp
+        src = ddp._common_rank(candidate=is_last_joiner)
+        broadcast_module_states(ddp.module, ddp.process_group, src, buffers=ddp.broadcast_buffers)
+
+
+# --8<-- [end:shadow]
+
+
+if __name__ == "__main__":
+    from ddp.train import main
+
+    main("join")
