@@ -284,9 +284,28 @@ class Variant:
 
 def variant_wraps() -> dict[str, Wrap | None]:
     """Name -> wrap(model, cfg), in table order: the floor, communication alone (no
-    wrapper), the stages, the reference."""
+    wrapper), the stages, the reference, then the EXTRA variants (by name only)."""
     runs = standard_runs()
-    return {FLOOR: runs.pop(FLOOR), COMM: None, **runs}
+    return {FLOOR: runs.pop(FLOOR), COMM: None, **runs, **extra_wraps()}
+
+
+def extra_wraps() -> dict[str, Wrap]:
+    """Variants that `--variants all` leaves out: stage options and torch's defaults."""
+    from stages import STAGES
+
+    last = STAGES["drop_in"]
+    return {
+        # torch's DDP as most scripts use it: bucket_cap_mb=None, 25 MiB and a 1 MiB first
+        "torch_ddp_default": lambda model, cfg: nn.parallel.DistributedDataParallel(model),
+        "drop_in_default": lambda model, cfg: last(model),
+        "drop_in_auto": lambda model, cfg: last(model, bucket_cap_mb="auto"),
+        "grad_views_on": lambda model, cfg: STAGES["grad_views"](
+            model, bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True
+        ),
+        "round_robin_2": lambda model, cfg: STAGES["round_robin"](
+            model, bucket_cap_mb=cfg.bucket_cap_mb, round_robin_groups=2
+        ),
+    }
 
 
 def sweep_configs(cfg: Config, sweep: str) -> tuple[str, list[tuple[float | int, Config]]]:
@@ -434,7 +453,10 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
     for _, c in configs:
         split_batch(global_batch(c), dist.get_rank(), dist.get_world_size())  # fail early
     wraps = variant_wraps()
-    names = list(wraps) if opts.variants == "all" else opts.variants.split(",")
+    extra = extra_wraps()
+    names = (
+        [n for n in wraps if n not in extra] if opts.variants == "all" else opts.variants.split(",")
+    )
     unknown = [n for n in names if n not in wraps]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; pick from {list(wraps)}")
@@ -501,6 +523,10 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
                 if variant.name == COMM or hasattr(variant.wrapped, "no_sync")
                 else k,
                 "replicas_identical": identical,
+                # bucket_cap_mb="auto": what it measured and the cap it chose
+                "auto_bucket_choice": _json_safe(
+                    getattr(variant.wrapped, "auto_bucket_choice", None)
+                ),
                 **(
                     {
                         "forward_s": slowest(variant.forward_s),
@@ -624,6 +650,15 @@ def variant_entry(r: dict, by_name: dict[str, dict], bound: dict | None) -> dict
             if "forward_s" in r
             else {}
         ),
+    }
+
+
+def _json_safe(choice: dict | None) -> dict | None:
+    if choice is None:
+        return None
+    return {
+        k: ({str(c): t for c, t in v.items()} if isinstance(v, dict) else v)
+        for k, v in choice.items()
     }
 
 
