@@ -104,8 +104,11 @@ class OverlappedDDP(BucketedDDP):
     def _finish_backward(self) -> None:
         self._awaiting_sync = False
         with record_function("wait for communication"):
-            for _, work in self._in_flight:
+            for bucket, work in self._in_flight:
                 work.wait()  # even on error below: leave no collective half-finished
+                # Copy out now, while later buckets still travel (as torch's reducer
+                # does), not after the last one. If a gradient was missing, we raise below.
+                self._copy_out(bucket)
         missing = [
             name
             for bucket in self.buckets
@@ -119,8 +122,6 @@ class OverlappedDDP(BucketedDDP):
                 "every trainable parameter must take part in the loss (freeze it with "
                 "requires_grad_(False) if it should not train)"
             )
-        for bucket, _ in self._in_flight:
-            self._copy_out(bucket)
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing left to do after loss.backward(): its last callback finished it."""

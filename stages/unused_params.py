@@ -110,16 +110,19 @@ class UnusedParamsDDP(SkipSyncDDP):
         for b, i in slots:
             if not self._ready[b.index][i]:
                 self._mark_ready(b, i, b.params[i].grad)
-        for _, work in self._in_flight:  # every rank issued them all: none can hang
+        for bucket, work in self._in_flight:  # every rank issued them all: none can hang
             work.wait()
+            if not self.find_unused_parameters:  # copy out while later buckets travel
+                self._copy_out(bucket)  # (if a gradient was missing, we raise below)
         status[self.rank, n : 2 * n] = self._locally_used
         status[self.rank, 2 * n] = len(self._problems)
         dist.all_reduce(status, group=self.process_group)
         self._locally_used.zero_()
         self._raise_on_every_rank(status, slots)
-        self._globally_used = status[:, n : 2 * n].sum(0).tolist()
-        for bucket, _ in self._in_flight:
-            self._copy_out(bucket)
+        if self.find_unused_parameters:  # what to copy depends on who used what
+            self._globally_used = status[:, n : 2 * n].sum(0).tolist()
+            for bucket, _ in self._in_flight:
+                self._copy_out(bucket)
 
     def _copy_out(self, bucket: Bucket) -> None:
         for i, param in enumerate(bucket.params):
