@@ -641,6 +641,7 @@ def variant_entry(r: dict, by_name: dict[str, dict], bound: dict | None) -> dict
         "rounds": len(set(r["step_rounds"])),
         "steps": len(times),
         "replicas_identical": r["replicas_identical"],
+        **({"auto_bucket_choice": r["auto_bucket_choice"]} if r.get("auto_bucket_choice") else {}),
         "step_times_ms": [t * 1e3 for t in times],
         **(
             {
