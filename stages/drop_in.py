@@ -119,10 +119,8 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:forward]
-    def _should_rebuild(self) -> bool:
-        if self.static_graph and self.find_unused_parameters:  # the graph will not change
-            return not self._rebuilt and bool(self._ready_order) and self.require_backward_grad_sync
-        return super()._should_rebuild()
+    def _order_is_static(self) -> bool:
+        return self.static_graph or super()._order_is_static()  # the graph will not change
 
     def _set_static_graph(self) -> None:
         """torch's older spelling of static_graph=True."""

@@ -121,7 +121,7 @@ class _ShadowCollectives(JoinHook):
         # The others rebuild their buckets at their first synchronising forward after a
         # synchronised backward (which this rank ran, or shadowed): so does this one.
         seen_backward = bool(ddp._ready_order) or self.shadowed_backward
-        if syncs and seen_backward and not ddp._rebuilt and not ddp.find_unused_parameters:
+        if syncs and seen_backward and not ddp._rebuilt and ddp._order_is_static():
             ddp._rebuild_buckets(ddp.bucket_cap_mb, ddp.first_bucket_cap_mb)
         if ddp.broadcast_buffers and ddp.require_forward_param_sync:
             super(JoinDDP, ddp)._broadcast_buffers(ddp._common_rank(candidate=False))
@@ -135,10 +135,8 @@ class _ShadowCollectives(JoinHook):
             ddp._in_flight.append((bucket, ddp._launch(index)))
         for _, work in ddp._in_flight:
             work.wait()
-        n = len(ddp.named_trainable)
-        status = torch.zeros(ddp.world_size, 2 * n + 1, dtype=torch.int32)
-        status[ddp.rank, :n] = 1  # "ready": a rank that has left misses nothing
-        dist.all_reduce(status, group=ddp.process_group)
+        # "Ready": a rank that has left misses nothing; it used nothing either.
+        ddp._exchange_status(ready=1, used=0, problems=0)
         self.shadowed_backward = True
 
     def post_hook(self, is_last_joiner: bool) -> None:

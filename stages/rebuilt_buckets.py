@@ -60,13 +60,17 @@ class RebuiltBucketsDDP(GradViewsDDP):
             not self._rebuilt
             and bool(self._ready_order)
             and self.require_backward_grad_sync
-            and not self.find_unused_parameters
+            and self._order_is_static()
         )
+
+    def _order_is_static(self) -> bool:
+        """Whether the order gradients become ready in is the same every step."""
+        return not self.find_unused_parameters
 
     def _rebuild_buckets(self, bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> None:
         """New buckets in rank 0's ready order; every rank must call this at the same point."""
-        seen = list(dict.fromkeys(self._ready_order))
-        order = seen + [k for k in range(len(self.named_trainable)) if k not in set(seen)]
+        seen = dict.fromkeys(self._ready_order)  # in order, once each
+        order = [*seen, *(k for k in range(len(self.named_trainable)) if k not in seen)]
         order_t = torch.tensor(order, dtype=torch.int64)
         dist.broadcast(order_t, group=self.process_group, group_src=0)  # rank 0's order
         old_views = {id(p): p.grad for _, p in self.named_trainable}

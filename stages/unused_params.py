@@ -100,11 +100,8 @@ class UnusedParamsDDP(SkipSyncDDP):
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
         self._awaiting_sync = False
-        # One row per rank: [ready in this backward | used since last sync | problems].
         slots = self._slots
-        n = len(slots)
-        status = torch.zeros(self.world_size, 2 * n + 1, dtype=torch.int32)
-        status[self.rank, :n] = torch.tensor([self._ready[b.index][i] for b, i in slots])
+        ready = torch.tensor([self._ready[b.index][i] for b, i in slots])
         # Complete every bucket, even ones whose gradients never came, so that every rank
         # has issued the same all-reduces in the same order and none can hang.
         for b, i in slots:
@@ -114,12 +111,11 @@ class UnusedParamsDDP(SkipSyncDDP):
             work.wait()
             if not self.find_unused_parameters:  # copy out while later buckets travel
                 self._copy_out(bucket)  # (if a gradient was missing, we raise below)
-        status[self.rank, n : 2 * n] = self._locally_used
-        status[self.rank, 2 * n] = len(self._problems)
-        dist.all_reduce(status, group=self.process_group)
+        status = self._exchange_status(ready, self._locally_used, len(self._problems))
         self._locally_used.zero_()
         self._raise_on_every_rank(status, slots)
         if self.find_unused_parameters:  # what to copy depends on who used what
+            n = len(slots)
             self._globally_used = status[:, n : 2 * n].sum(0).tolist()
             for bucket, _ in self._in_flight:
                 self._copy_out(bucket)
@@ -132,6 +128,17 @@ class UnusedParamsDDP(SkipSyncDDP):
                 param.grad = bucket.view_of(i).clone()
             else:
                 param.grad.copy_(bucket.view_of(i))
+
+    def _exchange_status(self, ready, used, problems: int) -> torch.Tensor:
+        """Every rank's row [ready in this backward | used since last sync | problems],
+        (W, 2n + 1), from this rank's part; one all-reduce."""
+        n = len(self.named_trainable)
+        status = torch.zeros(self.world_size, 2 * n + 1, dtype=torch.int32)
+        status[self.rank, :n] = ready
+        status[self.rank, n : 2 * n] = used
+        status[self.rank, 2 * n] = problems
+        dist.all_reduce(status, group=self.process_group)
+        return status
 
     def _raise_on_every_rank(self, status: torch.Tensor, slots: list[tuple[Bucket, int]]) -> None:
         name, n = type(self).__name__, len(slots)
