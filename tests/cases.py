@@ -17,6 +17,14 @@ from stages import STAGES
 from tests import pool
 
 WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
+
+
+def stages_from(first: str) -> list[str]:
+    """Every stage that has `first`'s idea: it and all the stages after it."""
+    order = list(STAGES)
+    return order[order.index(first) :]
+
+
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
 TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
 

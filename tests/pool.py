@@ -29,6 +29,14 @@ class RankError:
     traceback: str
 
 
+def check_no_errors(runs: list) -> list:
+    """The runs, unless a rank raised: then the first such rank's traceback fails the test."""
+    errors = [r for r in runs if isinstance(r, RankError)]
+    if errors:
+        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
+    return runs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

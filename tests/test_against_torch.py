@@ -24,23 +24,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from stages import STAGES
-from tests.cases import NetSpec, build_net
-from tests.pool import RankError
+from tests.cases import NetSpec, build_net, stages_from
+from tests.pool import RankError, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_TORCH_EXAMPLES", "12"))  # per stage per test
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI
-ORDER = list(STAGES)
 BRANCHES = 3
 TIGHT = {"rtol": 1.3e-6, "atol": 1e-5}  # torch.testing's float32 default; W-fold errors are far out
-
-
-def stages_from(first: str) -> list[str]:
-    """Every stage that has `first`'s idea: it and all the stages after it."""
-    return ORDER[ORDER.index(first) :]
-
-
-def has(stage: str, idea: str) -> bool:
-    return ORDER.index(stage) >= ORDER.index(idea)
 
 
 def wrap(wrapper: str, model: nn.Module, group: dist.ProcessGroup, options: dict) -> nn.Module:
@@ -56,29 +46,26 @@ def ours_and_torchs(rank: int, group: dist.ProcessGroup, train, stage: str, *arg
 
 
 def run_both(pool, world_size: int, train, stage: str, *args) -> list[tuple]:
-    runs = pool.run(world_size, ours_and_torchs, train, stage, *args, timeout_s=60)
-    errors = [r for r in runs if isinstance(r, RankError)]
-    if errors:
-        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
-    return runs
+    return check_no_errors(pool.run(world_size, ours_and_torchs, train, stage, *args, timeout_s=60))
 
 
-def assert_same(ours: dict, theirs: dict, where: str) -> None:
-    """Named tensors (or None) of the stage's run equal torch DDP's."""
-    assert ours.keys() == theirs.keys(), where
+def assert_same(ours: dict, theirs: dict, where: str, tol: dict = TIGHT) -> None:
+    """Named tensors (or None) of the stage's run equal the reference's (torch DDP's)
+    within `tol`; integer tensors exactly."""
+    assert ours.keys() == theirs.keys(), f"{where}: {sorted(ours)} vs {sorted(theirs)}"
     for name, mine in ours.items():
-        torchs = theirs[name]
-        assert (mine is None) == (torchs is None), (
+        other = theirs[name]
+        assert (mine is None) == (other is None), (
             f"{where}, {name}: the stage gives {'None' if mine is None else 'a tensor'}, "
-            f"torch DDP {'None' if torchs is None else 'a tensor'}"
+            f"the reference {'None' if other is None else 'a tensor'}"
         )
         if mine is None:
             continue
         if not mine.is_floating_point():
-            assert torch.equal(mine, torchs), f"{where}, {name}: {mine} vs torch's {torchs}"
+            assert torch.equal(mine, other), f"{where}, {name}: {mine} vs {other}"
         else:
             torch.testing.assert_close(
-                mine, torchs, **TIGHT, msg=lambda m, name=name: f"{where}, {name}: {m}"
+                mine, other, **tol, msg=lambda m, name=name: f"{where}, {name}: {m}"
             )
 
 
@@ -141,7 +128,7 @@ def routings(draw, stage: str) -> Routing:
         # MiB; 1e-9 gives every parameter a bucket of its own, 25 puts all in one.
         bucket_cap_mb=draw(st.sampled_from([1e-9, 2e-4, 25.0])),
         set_to_none=draw(st.booleans()),
-        gradient_as_bucket_view=has(stage, "grad_views") and draw(st.booleans()),
+        gradient_as_bucket_view=stage in stages_from("grad_views") and draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 

@@ -34,12 +34,12 @@ from ddp import comm_hooks
 from stages import STAGES
 from stages.auto_bucket import CANDIDATES_MB
 from tests import pool as pool_module
-from tests.pool import RankError
-from tests.test_against_torch import Normed, grads_of, params_of, stages_from
+from tests.cases import stages_from
+from tests.pool import check_no_errors
+from tests.test_against_torch import TIGHT, Normed, assert_same, grads_of, params_of
 
 SECONDS = 30  # a hang fails the test after this long instead of blocking CI
 EXACT = {"rtol": 0.0, "atol": 0.0}
-TIGHT = {"rtol": 1.3e-6, "atol": 1e-5}
 
 
 def tolerance(world_size: int) -> dict:
@@ -48,30 +48,7 @@ def tolerance(world_size: int) -> dict:
 
 def run(pool, world_size: int, fn, *args) -> list:
     """fn(rank, group, *args) on every rank; the first rank's error fails the test."""
-    runs = pool.run(world_size, fn, *args, timeout_s=SECONDS)
-    errors = [r for r in runs if isinstance(r, RankError)]
-    if errors:
-        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
-    return runs
-
-
-def assert_same(ours: dict, theirs: dict, where: str, tol: dict) -> None:
-    """Named tensors (or None) of one run equal another's, within `tol`."""
-    assert ours.keys() == theirs.keys(), f"{where}: {sorted(ours)} vs {sorted(theirs)}"
-    for name, mine in ours.items():
-        other = theirs[name]
-        assert (mine is None) == (other is None), (
-            f"{where}, {name}: {'None' if mine is None else 'a tensor'} where the reference "
-            f"has {'None' if other is None else 'a tensor'}"
-        )
-        if mine is None:
-            continue
-        if not mine.is_floating_point():
-            assert torch.equal(mine, other), f"{where}, {name}: {mine} vs {other}"
-        else:
-            torch.testing.assert_close(
-                mine, other, **tol, msg=lambda m, name=name: f"{where}, {name}: {m}"
-            )
+    return check_no_errors(pool.run(world_size, fn, *args, timeout_s=SECONDS))
 
 
 def assert_same_steps(ours: list, theirs: list, where: str, tol: dict) -> None:
@@ -84,6 +61,33 @@ def assert_same_steps(ours: list, theirs: list, where: str, tol: dict) -> None:
 
 def buffers_of(model: nn.Module) -> dict:
     return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def sgd_steps(
+    wrapped: nn.Module,
+    model: nn.Module,
+    rank: int,
+    steps: int,
+    shape: tuple[int, int],
+    before=lambda: None,
+    after=lambda: None,
+) -> list:
+    """`steps` SGD steps on this rank's seeded random regression batches of `shape`,
+    calling `before()` and `after()` around each: [(gradients, parameters after the
+    step)] per step."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(rank)
+    record = []
+    for _ in range(steps):
+        before()
+        x, y = torch.randn(*shape, generator=data), torch.randn(*shape, generator=data)
+        F.mse_loss(wrapped(x), y).backward()
+        grads = grads_of(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        record.append((grads, params_of(model)))
+        after()
+    return record
 
 
 def wrap_stage(stage: str, model: nn.Module, group, bucket_cap_mb, **options) -> nn.Module:
@@ -195,17 +199,7 @@ def train_with_hook(
         return fn(state, bucket)
 
     wrapped.register_comm_hook(state, recorded)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    data = torch.Generator().manual_seed(rank)
-    record = []
-    for _ in range(HOOK_STEPS):
-        layouts.append([])
-        x, y = torch.randn(4, WIDTH, generator=data), torch.randn(4, WIDTH, generator=data)
-        F.mse_loss(wrapped(x), y).backward()
-        grads = grads_of(model)
-        optimizer.step()
-        optimizer.zero_grad()
-        record.append((grads, params_of(model)))
+    record = sgd_steps(wrapped, model, rank, HOOK_STEPS, (4, WIDTH), lambda: layouts.append([]))
     stats = (state.iter, state.compression_stats()) if hook == "powerSGD" else None
     return record, layouts, stats
 
@@ -304,9 +298,7 @@ def train_round_robin(
         wrapped = wrap_torch(model, group, cap_mb)
     else:
         wrapped = wrap_stage(wrapper, model, group, cap_mb, round_robin_groups=groups[1:])
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    data = torch.Generator().manual_seed(rank)
-    record, calls = [], []
+    calls = []
     original = dist.all_reduce
 
     def recording(tensor, *args, group=None, **kwargs):
@@ -319,14 +311,7 @@ def train_round_robin(
 
     dist.all_reduce = recording  # torch.distributed's: the stages look it up at call time
     try:
-        for _ in range(steps):
-            calls.append([])
-            x, y = torch.randn(4, WIDTH, generator=data), torch.randn(4, WIDTH, generator=data)
-            F.mse_loss(wrapped(x), y).backward()
-            grads = grads_of(model)
-            optimizer.step()
-            optimizer.zero_grad()
-            record.append((grads, params_of(model)))
+        record = sgd_steps(wrapped, model, rank, steps, (4, WIDTH), lambda: calls.append([]))
     finally:
         dist.all_reduce = original
     return record, calls
@@ -490,17 +475,15 @@ def train_auto(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
         wrapped = wrap_torch(model, group, None)  # torch's default cap
     else:
         wrapped = STAGES[wrapper](model, process_group=group, bucket_cap_mb="auto")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    data = torch.Generator().manual_seed(rank)
-    record, choices = [], []
-    for _ in range(AUTO_STEPS):
-        x, y = torch.randn(2, 256, generator=data), torch.randn(2, 256, generator=data)
-        F.mse_loss(wrapped(x), y).backward()
-        grads = grads_of(model)
-        optimizer.step()
-        optimizer.zero_grad()
-        record.append((grads, params_of(model)))
-        choices.append(getattr(wrapped, "auto_bucket_choice", None))
+    choices = []
+    record = sgd_steps(
+        wrapped,
+        model,
+        rank,
+        AUTO_STEPS,
+        (2, 256),
+        after=lambda: choices.append(getattr(wrapped, "auto_bucket_choice", None)),
+    )
     layout = [b.names for b in getattr(wrapped, "buckets", [])]
     return record, choices, layout
 

@@ -10,7 +10,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages import STAGES
 from tests.cases import (
     WRAPPERS,
     Case,
@@ -20,8 +19,9 @@ from tests.cases import (
     ready_order,
     reference_run,
     run_case,
+    stages_from,
 )
-from tests.pool import MAX_WORLD, RankError
+from tests.pool import MAX_WORLD, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_EXAMPLES", "200"))  # per stage per run
 
@@ -45,9 +45,9 @@ def nets(draw) -> NetSpec:
     )
 
 
-def stages_from(first: str) -> list[str]:
-    order = [*STAGES, "torch_ddp"]
-    return order[order.index(first) :]
+def has_idea(wrapper: str, first: str) -> bool:
+    """Whether the row has `first`'s idea; torch's DDP has every idea."""
+    return wrapper == "torch_ddp" or wrapper in stages_from(first)
 
 
 CAPS = st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0))
@@ -57,18 +57,18 @@ CAPS = st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0))
 def options(draw, wrapper: str) -> tuple[tuple[str, object], ...]:
     """The keyword options the stage (or torch's DDP) has, drawn."""
     drawn = {}
-    if wrapper in stages_from("unused_params"):
+    if has_idea(wrapper, "unused_params"):
         drawn["find_unused_parameters"] = draw(st.booleans())
-    if wrapper in stages_from("buffers"):
+    if has_idea(wrapper, "buffers"):
         drawn["broadcast_buffers"] = draw(st.booleans())
-    if wrapper in stages_from("grad_views"):
+    if has_idea(wrapper, "grad_views"):
         drawn["gradient_as_bucket_view"] = draw(st.booleans())
     ours = wrapper != "torch_ddp"
-    if wrapper in stages_from("rebuilt_buckets") and ours and wrapper != "drop_in":
+    if has_idea(wrapper, "rebuilt_buckets") and ours and wrapper != "drop_in":
         drawn["first_bucket_cap_mb"] = draw(st.one_of(st.none(), CAPS))
-    if wrapper in stages_from("comm_hooks") and ours:  # ours, or torch's own hook
+    if has_idea(wrapper, "comm_hooks") and ours:  # ours, or torch's own hook
         drawn["comm_hook"] = draw(st.sampled_from([None, "allreduce", "torch_allreduce"]))
-    if wrapper in stages_from("round_robin") and ours:
+    if has_idea(wrapper, "round_robin") and ours:
         drawn["round_robin_groups"] = draw(st.integers(1, 3))
     if wrapper == "drop_in":
         drawn["static_graph"] = draw(st.booleans())
@@ -99,12 +99,6 @@ def tolerance(t: torch.Tensor) -> dict:
     # float32 rounding too: one float32-level tolerance for all. A missing division by
     # W (a factor of 2 to 4) or an unsynchronised gradient is far outside it.
     return {"rtol": 1e-5, "atol": 1e-5}  # atol as torch.testing uses for float32
-
-
-def check_no_errors(runs: list) -> None:
-    errors = [r for r in runs if isinstance(r, RankError)]
-    if errors:
-        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
 
 
 def check_case(pool, case: Case) -> None:
@@ -147,7 +141,7 @@ def check_case(pool, case: Case) -> None:
     model = build_net(case.net, seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     buckets = expected_bucket_sizes(model, case.bucket_cap_mb)
-    after = lambda stage: case.wrapper in stages_from(stage)  # noqa: E731
+    after = lambda stage: has_idea(case.wrapper, stage)  # noqa: E731
     opts = dict(case.options)
     rebuilds = after("rebuilt_buckets") and (
         not opts.get("find_unused_parameters") or opts.get("static_graph")
