@@ -108,6 +108,21 @@ def broadcast_module_states(
             )
 
 
+def broadcast_buffers(module: nn.Module, process_group: dist.ProcessGroup, src: int = 0) -> None:
+    """Copy group rank `src`'s buffers to every rank: one broadcast per dtype of buffer."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.broadcast(flat, group=process_group, group_src=src)
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
 def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when every parameter is bit-identical to rank 0's.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import statistics
 import time
@@ -183,19 +184,25 @@ def synchronize(device: torch.device) -> None:
 
 
 def stage_wrap(stage_cls: type[nn.Module]) -> Wrap:
-    return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    """Wrap with `stage_cls`, giving it the config's bucket cap if it has buckets (the
+    first stage sends each gradient on its own)."""
+    if "bucket_cap_mb" in keyword_options(stage_cls):
+        return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    return lambda model, cfg: stage_cls(model)
 
 
-def standard_runs() -> dict[str, Wrap]:
-    """The runs every comparison shows, in table order: the compute-only floor, every
-    stage, and torch's DDP as the reference."""
-    from stages import STAGES
-
-    return {
-        "compute_only": lambda model, cfg: ComputeOnly(model),
-        **{name: stage_wrap(cls) for name, cls in STAGES.items()},
-        "torch_ddp": torch_ddp_wrap,
-    }
+def keyword_options(stage_cls: type[nn.Module]) -> set[str]:
+    """The keywords the class's constructor takes: its own, and those it passes on to the
+    stage before it through `**options`, down the chain."""
+    names: set[str] = set()
+    for cls in stage_cls.__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, module
+        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break  # this constructor passes nothing further down
+    return names
 
 
 def torch_ddp_wrap(model: nn.Module, cfg: Config) -> nn.Module:
@@ -228,11 +235,9 @@ def print_table(results: list[RunResult], cfg: Config, reference: str | None = N
         print(f"{r.name:<14} {r.median_step_s * 1e3:>9.2f}{ratio} {agree:>20}")
 
 
-def main(stage_name: str, argv: list[str] | None = None) -> RunResult:
+def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult:
     """What `torchrun ... -m stages.<name>` runs: train, then report and check."""
-    from stages import STAGES
-
-    stage_cls = STAGES[stage_name]
+    stage_name = Path(inspect.getfile(stage_cls)).stem  # stages/<name>.py, also as __main__
     cfg = parse_config(argv, description=stage_cls.__doc__)
     device = setup_process_group(cfg.backend)
     try:

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import importlib
 
+from torch import nn
+
+from ddp.train import ComputeOnly, Wrap, stage_wrap, torch_ddp_wrap
+
 _ORDER = {
     "naive": "NaiveDDP",
     "bucketed": "BucketedDDP",
     "overlapped": "OverlappedDDP",
     "skip_sync": "SkipSyncDDP",
+    "missing_grads": "MissingGradsDDP",
     "unused_params": "UnusedParamsDDP",
     "buffers": "BuffersDDP",
     "grad_views": "GradViewsDDP",
@@ -24,10 +29,24 @@ _ORDER = {
 }
 
 
+def _load() -> dict[str, type[nn.Module]]:
+    return {
+        stage: getattr(importlib.import_module(f"stages.{stage}"), cls)
+        for stage, cls in _ORDER.items()
+    }
+
+
 def __getattr__(name: str):
     if name == "STAGES":
-        return {
-            stage: getattr(importlib.import_module(f"stages.{stage}"), cls)
-            for stage, cls in _ORDER.items()
-        }
+        return _load()
     raise AttributeError(f"module 'stages' has no attribute {name!r}")
+
+
+def standard_runs() -> dict[str, Wrap]:
+    """The runs every comparison shows, in table order: the compute-only floor, every
+    stage, and torch's DDP as the reference."""
+    return {
+        "compute_only": lambda model, cfg: ComputeOnly(model),
+        **{name: stage_wrap(cls) for name, cls in _load().items()},
+        "torch_ddp": torch_ddp_wrap,
+    }

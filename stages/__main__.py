@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
-from ddp.train import print_table, standard_runs, train
+from ddp.train import print_table, train
+from stages import standard_runs
 
 
 def main() -> None:

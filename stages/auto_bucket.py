@@ -1,4 +1,4 @@
-"""Stage 12, auto_bucket: `bucket_cap_mb="auto"` picks the bucket size from measurements.
+"""Stage 13, auto_bucket: `bucket_cap_mb="auto"` picks the bucket size from measurements.
 
 The best bucket size is a trade: small buckets start communicating early and overlap
 more of backward, but each collective pays a fixed cost; large ones pay it rarely but
@@ -39,34 +39,33 @@ CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6:
 
 # --8<-- [start:construction]
 class AutoBucketDDP(JoinDDP):
-    """Stage 12: `bucket_cap_mb="auto"`: the cap that measured timings say ends first."""
+    """Stage 13: `bucket_cap_mb="auto"`: the cap that measured timings say ends first."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | str = 25.0, **options):
-        self.auto_bucket = bucket_cap_mb == "auto"
-        if isinstance(bucket_cap_mb, str) and not self.auto_bucket:
+        auto = bucket_cap_mb == "auto"
+        if isinstance(bucket_cap_mb, str) and not auto:
             raise ValueError(
                 f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}"
             )
-        if self.auto_bucket and options.get("find_unused_parameters"):
+        if auto and options.get("find_unused_parameters"):
             raise ValueError(
                 "bucket_cap_mb='auto' rebuilds buckets in the order gradients become ready, "
                 "which find_unused_parameters=True allows to change every step"
             )
-        super().__init__(
-            module, bucket_cap_mb=25.0 if self.auto_bucket else bucket_cap_mb, **options
-        )
-        self._synced_backwards = 0
-        self._ready_s: dict[int, float] = {}  # bitmap position -> seconds since first ready
+        super().__init__(module, bucket_cap_mb=25.0 if auto else bucket_cap_mb, **options)
+        self.auto_bucket = auto
+        self._ready_s: dict[int, float] = {}  # status row position -> seconds since first ready
+        self._first_ready_s = 0.0  # perf_counter() at the first gradient of that backward
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
 
     # --8<-- [end:construction]
 
     # --8<-- [start:forward]
-    def forward(self, *inputs, **kwargs):
-        if self.auto_bucket and self._ready_s and self.auto_bucket_choice is None:
-            if torch.is_grad_enabled() and self.require_backward_grad_sync:
-                self._choose_bucket_cap()
-        return super().forward(*inputs, **kwargs)
+    def _before_synced_forward(self) -> None:
+        super()._before_synced_forward()
+        # After the second synchronised backward (shadowed ones count: Join), on every rank.
+        if self.auto_bucket and self._synced_backwards >= 2 and self.auto_bucket_choice is None:
+            self._choose_bucket_cap()
 
     def _choose_bucket_cap(self) -> None:
         n = len(self.named_trainable)
@@ -98,9 +97,7 @@ class AutoBucketDDP(JoinDDP):
             "backward_s": max(ready_s),
             "predicted_s": predicted,
         }
-        self._rebuilt = False
-        self._ready_order = order  # the replayed order: the same on every rank
-        self._rebuild_buckets(cap, first(cap))
+        self._rebuild_buckets(order, cap, first(cap))  # the replayed order: the same everywhere
 
     def _time_allreduce(self) -> tuple[float, float]:
         """(fixed seconds per all-reduce, seconds per byte), from this rank's view."""
@@ -127,13 +124,10 @@ class AutoBucketDDP(JoinDDP):
     def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         if self.auto_bucket and self._synced_backwards == 1:  # the second: warmed up
             now = time.perf_counter()
-            self._first_ready = now if not self._ready_s else self._first_ready
-            self._ready_s[self._position[id(bucket.params[i])]] = now - self._first_ready
+            if not self._ready_s:
+                self._first_ready_s = now
+            self._ready_s[self._position[id(bucket.params[i])]] = now - self._first_ready_s
         super()._mark_ready(bucket, i, grad)
-
-    def _finish_backward(self) -> None:
-        self._synced_backwards += 1
-        super()._finish_backward()
 
     # --8<-- [end:backward]
 
@@ -157,4 +151,4 @@ def _replay(
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("auto_bucket")
+    main(AutoBucketDDP)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ddp.buckets import Bucket, assign_buckets
+from ddp.spans import allreduce_span
 from stages.naive import NaiveDDP
 
 
@@ -26,17 +27,15 @@ from stages.naive import NaiveDDP
 class BucketedDDP(NaiveDDP):
     """Stage 2: one all-reduce per bucket of gradients, after backward."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-    ):
-        super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+    collectives = ("all_reduce per bucket",)  # in bucket order
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, **options):
+        if not bucket_cap_mb > 0:  # checked first: a bad argument, whatever else is wrong
+            raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
+        super().__init__(module, **options)
+        self.bucket_cap_mb = bucket_cap_mb
         # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket.
         self.buckets = assign_buckets(list(module.named_parameters()), bucket_cap_mb)
-        self._grad_divisor = self.world_size  # sum over ranks of g / W = the mean
 
     # --8<-- [end:construction]
 
@@ -47,19 +46,25 @@ class BucketedDDP(NaiveDDP):
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 self._copy_in(bucket, i, param.grad)
-            with record_function(f"allreduce bucket {bucket.index} ({bucket.nbytes} B)"):
+            with record_function(allreduce_span(f"bucket {bucket.index}", bucket.nbytes)):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
             self._copy_out(bucket)
+
+    def _grad_divisor(self) -> int:
+        return self.world_size  # the sum over ranks of g / W is the mean
 
     def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
         # Already divided (sum of g/W = mean), as torch's reducer does: one pass over
         # the gradient instead of a copy and then a division. A view as `out` also
         # takes non-contiguous gradients.
-        torch.div(grad, self._grad_divisor, out=bucket.view_of(i))
+        torch.div(grad, self._grad_divisor(), out=bucket.view_of(i))
 
     def _copy_out(self, bucket: Bucket) -> None:
         for i, param in enumerate(bucket.params):
-            param.grad.copy_(bucket.view_of(i))
+            self._copy_grad_out(param, bucket.view_of(i))
+
+    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
+        param.grad.copy_(average)
 
     # --8<-- [end:finish]
 
@@ -67,4 +72,4 @@ class BucketedDDP(NaiveDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("bucketed")
+    main(BucketedDDP)

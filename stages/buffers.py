@@ -1,4 +1,4 @@
-"""Stage 6, buffers: module buffers (BatchNorm's running statistics) follow rank 0.
+"""Stage 7, buffers: module buffers (BatchNorm's running statistics) follow rank 0.
 
 Gradients are averaged, so parameters stay identical; buffers are not gradients.
 BatchNorm updates its running mean and variance from each rank's own slice of the
@@ -7,7 +7,8 @@ model evaluated on rank 0 is not the one on rank 1. With `broadcast_buffers=True
 (torch's default) rank 0's buffers are broadcast to every rank before each forward,
 as torch's DDP does. Training itself still normalises with each rank's own batch
 statistics (the per-worker BatchNorm of Goyal et al.); only the running estimates,
-used at evaluation, are rank 0's. `broadcast_buffers=False` keeps them per rank.
+used at evaluation, are rank 0's. `broadcast_buffers=False` keeps them per rank. The
+stages before this one leave buffers alone, at construction too.
 
     torchrun --standalone --nproc-per-node 2 -m stages.buffers --model cnn
 
@@ -19,26 +20,27 @@ synchronised (not after one inside `no_sync()`): the flag is
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ddp.dist import broadcast_module_states
+from ddp.dist import broadcast_buffers
 from stages.unused_params import UnusedParamsDDP
 
 
 # --8<-- [start:construction]
 class BuffersDDP(UnusedParamsDDP):
-    """Stage 6: `broadcast_buffers`: rank 0's buffers on every rank before forward."""
+    """Stage 7: `broadcast_buffers`: rank 0's buffers on every rank before forward."""
 
     def __init__(self, module: nn.Module, *, broadcast_buffers: bool = True, **options):
-        self.broadcast_buffers = broadcast_buffers  # before super(): its broadcast reads it
         super().__init__(module, **options)
+        self.broadcast_buffers = broadcast_buffers
         self.require_forward_param_sync = True  # torch DDP's name
+        self._broadcast_initial_buffers()
 
-    def _broadcast_initial_states(self) -> None:
+    def _broadcast_initial_buffers(self) -> None:
         # As torch's DDP: with broadcast_buffers=False each rank keeps its own buffers
         # from the start, not only after it.
-        broadcast_module_states(self.module, self.process_group, buffers=self.broadcast_buffers)
+        if self.broadcast_buffers:
+            broadcast_buffers(self.module, self.process_group)
 
     # --8<-- [end:construction]
 
@@ -55,17 +57,7 @@ class BuffersDDP(UnusedParamsDDP):
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         """Every buffer of the module from group rank `src`, one broadcast per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buffer in self.module.buffers():
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
-        for buffers in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-            dist.broadcast(flat, group=self.process_group, group_src=src)
-            offset = 0
-            with torch.no_grad():
-                for b in buffers:
-                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+        broadcast_buffers(self.module, self.process_group, src)
 
     # --8<-- [end:forward]
 
@@ -73,4 +65,4 @@ class BuffersDDP(UnusedParamsDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("buffers")
+    main(BuffersDDP)

@@ -1,4 +1,4 @@
-"""Stage 9, comm_hooks: what travels, and how, is a function you can swap.
+"""Stage 10, comm_hooks: what travels, and how, is a function you can swap.
 
 Plain averaging is one choice among several. `register_comm_hook(state, hook)`, with
 torch DDP's signature, hands each full bucket to `hook(state, bucket)`, which returns a
@@ -35,7 +35,7 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 # --8<-- [start:construction]
 class CommHooksDDP(RebuiltBucketsDDP):
-    """Stage 9: `register_comm_hook(state, hook)`: each bucket goes through `hook`."""
+    """Stage 10: `register_comm_hook(state, hook)`: each bucket goes through `hook`."""
 
     _comm_hook: CommHook | None = None
     _comm_state: Any = None
@@ -47,7 +47,10 @@ class CommHooksDDP(RebuiltBucketsDDP):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook, self._comm_state = hook, state
-        self._grad_divisor = 1  # the hook averages, as torch's built-in hooks do
+
+    def _grad_divisor(self) -> int:
+        # A hook gets the sum and averages by itself, as torch's built-in hooks do.
+        return 1 if self._comm_hook is not None else super()._grad_divisor()
 
     # --8<-- [end:construction]
 
@@ -77,4 +80,4 @@ class CommHooksDDP(RebuiltBucketsDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("comm_hooks")
+    main(CommHooksDDP)

@@ -1,4 +1,4 @@
-"""Stage 13, drop_in: torch's constructor and methods, so a torch DDP script runs unchanged.
+"""Stage 14, drop_in: torch's constructor and methods, so a torch DDP script runs unchanged.
 
 Every idea is in place; this last stage adds none. It takes
 `torch.nn.parallel.DistributedDataParallel`'s constructor arguments with torch's
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.dist import broadcast_module_states
+from ddp.dist import broadcast_buffers
 from stages.auto_bucket import AutoBucketDDP
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch's default
@@ -40,7 +40,7 @@ DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, i
 
 # --8<-- [start:construction]
 class DistributedDataParallel(AutoBucketDDP):
-    """Stage 13: every idea so far, behind torch DDP's constructor."""
+    """Stage 14: every idea so far, behind torch DDP's constructor."""
 
     def __init__(
         self,
@@ -65,7 +65,7 @@ class DistributedDataParallel(AutoBucketDDP):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
-        round_robin_groups: int = 1,  # this project's extension (stage 10)
+        round_robin_groups: int = 1,  # this project's extension (stage round_robin)
     ):
         not_default = {
             name: value
@@ -88,17 +88,17 @@ class DistributedDataParallel(AutoBucketDDP):
         if dim != 0:
             raise NotImplementedError(f"only dim=0 is supported, got dim={dim}")
         _check_one_device(module, device_ids, output_device)
-        self.device_ids = device_ids
-        self.static_graph = static_graph
         # torch 2.13's rules: forward_sync_buffers wins, and then buffers are always
         # broadcast at construction; else broadcast_buffers (default True) decides both.
         if forward_sync_buffers is not None:
-            forward_sync, self._init_sync_buffers = forward_sync_buffers, True
+            forward_sync, init_sync_buffers = forward_sync_buffers, True
         else:
-            forward_sync = self._init_sync_buffers = (
+            forward_sync = init_sync_buffers = (
                 True if broadcast_buffers is None else broadcast_buffers
             )
-        self._init_sync = init_sync
+        # Set before super(): the stages' constructors broadcast the initial parameters
+        # and buffers through the two methods below, which follow torch's init_sync rules.
+        self._init_sync, self._init_sync_buffers = init_sync, init_sync and init_sync_buffers
         super().__init__(
             module,
             process_group=process_group,
@@ -109,12 +109,17 @@ class DistributedDataParallel(AutoBucketDDP):
             gradient_as_bucket_view=gradient_as_bucket_view,
             round_robin_groups=round_robin_groups,
         )
+        self.device_ids = device_ids
+        self.static_graph = static_graph
 
     def _broadcast_initial_states(self) -> None:
         if self._init_sync:  # init_sync=False: the caller promises identical replicas
-            broadcast_module_states(
-                self.module, self.process_group, buffers=self._init_sync_buffers
-            )
+            super()._broadcast_initial_states()
+
+    def _broadcast_initial_buffers(self) -> None:
+        # Replaces stage buffers' rule (broadcast_buffers decides): torch's differs, above.
+        if self._init_sync_buffers:
+            broadcast_buffers(self.module, self.process_group)
 
     # --8<-- [end:construction]
 
@@ -154,4 +159,4 @@ def _check_one_device(
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("drop_in")
+    main(DistributedDataParallel)

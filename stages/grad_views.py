@@ -1,4 +1,4 @@
-"""Stage 7, grad_views: `.grad` tensors are views into the buckets' flat buffers.
+"""Stage 8, grad_views: `.grad` tensors are views into the buckets' flat buffers.
 
 Until now every gradient lived twice: once in `.grad`, where autograd puts it, and once
 in its bucket, where the all-reduce needs it, with a copy in and a copy out every step.
@@ -26,7 +26,7 @@ from stages.buffers import BuffersDDP
 
 # --8<-- [start:construction]
 class GradViewsDDP(BuffersDDP):
-    """Stage 7: `gradient_as_bucket_view`: gradients live in the bucket buffers."""
+    """Stage 8: `gradient_as_bucket_view`: gradients live in the bucket buffers."""
 
     def __init__(self, module: nn.Module, *, gradient_as_bucket_view: bool = False, **options):
         super().__init__(module, **options)
@@ -40,22 +40,23 @@ class GradViewsDDP(BuffersDDP):
         if not self.gradient_as_bucket_view or grad is None:
             super()._copy_in(bucket, i, grad)
         elif grad.data_ptr() == view.data_ptr():  # autograd summed into the bucket itself
-            if self._grad_divisor != 1:
-                grad.div_(self._grad_divisor)
+            if self._grad_divisor() != 1:
+                grad.div_(self._grad_divisor())
         else:  # a fresh gradient (the first step, or after zero_grad(set_to_none=True))
-            torch.div(grad, self._grad_divisor, out=view)
+            torch.div(grad, self._grad_divisor(), out=view)
             bucket.params[i].grad = view
 
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
-    def _copy_out(self, bucket: Bucket) -> None:
-        if not self.gradient_as_bucket_view:
-            return super()._copy_out(bucket)
-        for i, param in enumerate(bucket.params):
-            if self._globally_used[self._position[id(param)]] and param.grad is None:
-                param.grad = bucket.view_of(i)  # unused here, used elsewhere
-        # Every other .grad already is its view: the average is in place.
+    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
+        if self.gradient_as_bucket_view and param.grad is not None:
+            return  # .grad already is its view: the average is in place
+        super()._copy_grad_out(param, average)
+
+    def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
+        # A parameter unused here but used elsewhere: its .grad becomes the view too.
+        return average if self.gradient_as_bucket_view else super()._new_grad(average)
 
     # --8<-- [end:finish]
 
@@ -63,4 +64,4 @@ class GradViewsDDP(BuffersDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("grad_views")
+    main(GradViewsDDP)

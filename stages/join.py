@@ -1,4 +1,4 @@
-"""Stage 11, join: a rank that runs out of batches does not hang the others.
+"""Stage 12, join: a rank that runs out of batches does not hang the others.
 
 Each synchronised backward is a set of collectives every rank must join. If one rank
 has fewer batches (an uneven last shard, a filtered dataset), it leaves the loop while
@@ -38,12 +38,13 @@ from stages.round_robin import RoundRobinDDP
 
 # --8<-- [start:construction]
 class JoinDDP(RoundRobinDDP, Joinable):
-    """Stage 11: a `Joinable`: ranks with fewer inputs shadow the others' collectives."""
+    """Stage 12: a `Joinable`: ranks with fewer inputs shadow the others' collectives."""
 
     def __init__(self, module: nn.Module, **options):
         super().__init__(module, **options)
         Joinable.__init__(self)  # the manager's switch, off outside `with Join(...)`
         self._divide_by_initial_world_size = True
+        self._ranks_in = self.world_size  # ranks still in the loop, at this forward
 
     def join(
         self,
@@ -77,15 +78,19 @@ class JoinDDP(RoundRobinDDP, Joinable):
     def forward(self, *inputs, **kwargs):
         joining = self._join_config.enable
         still_in = Join.notify_join_context(self)  # all-reduce of 1 per rank still in
-        if self._comm_hook is None:  # a hook divides by itself
-            self._grad_divisor = self.world_size
-            if joining and not self._divide_by_initial_world_size:
-                still_in.wait()
-                self._grad_divisor = int(still_in.result()[0].item())
+        self._ranks_in = self.world_size
+        if joining and not self._divide_by_initial_world_size:
+            still_in.wait()
+            self._ranks_in = int(still_in.result()[0].item())
         if joining:  # tells the ranks that have left whether this backward synchronises
             syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
             dist.all_reduce(torch.tensor([float(syncs)]), group=self.process_group)
         return super().forward(*inputs, **kwargs)
+
+    def _grad_divisor(self) -> int:
+        if self._comm_hook is not None:  # the hook divides by itself
+            return super()._grad_divisor()
+        return self._ranks_in  # the world size, unless asked to divide by the ranks still in
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         if self._join_config.enable:  # rank 0 may have left with stale buffers
@@ -100,44 +105,43 @@ class JoinDDP(RoundRobinDDP, Joinable):
 
     # --8<-- [end:forward]
 
-    @property
-    def _status_device(self) -> torch.device:
-        return self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+    # --8<-- [start:shadow]
+    def _shadow_step(self) -> None:
+        """One step of the others, from a rank that has left: the same collectives, in
+        the same order, through the same methods that issue them in a real step."""
+        syncs = torch.zeros(1)
+        dist.all_reduce(syncs, group=self.process_group)  # matches forward's flag
+        syncs = bool(syncs.item())
+        if syncs:
+            self._before_synced_forward()  # rebuilds, and whatever later stages add there
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            super()._broadcast_buffers(self._common_rank(candidate=False))
+        self.require_forward_param_sync = syncs
+        if syncs:
+            self._shadow_backward()
+
+    def _shadow_backward(self) -> None:
+        """The backward the others run: every bucket, in order, with zeros from us; then
+        the status row of a rank that misses nothing and used nothing."""
+        self._in_flight = []  # a comm hook waits for the bucket before it, as in backward
+        for index, bucket in enumerate(self.buckets):
+            bucket.buffer.zero_()
+            self._in_flight.append((bucket, self._launch(index)))
+        for _, work in self._in_flight:
+            work.wait()
+        row = self._status_row(ready=torch.ones(len(self.named_trainable), dtype=torch.int32))
+        self._exchange_status({c: v if c == "ready" else v.zero_() for c, v in row.items()})
+        self._synced_backwards += 1
 
 
-# --8<-- [start:shadow]
 class _ShadowCollectives(JoinHook):
-    """What a rank that has left the loop does for each step the others still take."""
+    """What the Join manager runs on a rank that has left the loop."""
 
     def __init__(self, ddp: JoinDDP):
         self.ddp = ddp
-        self.shadowed_backward = False
 
     def main_hook(self) -> None:
-        ddp = self.ddp
-        syncs = torch.zeros(1)
-        dist.all_reduce(syncs, group=ddp.process_group)  # matches forward's flag
-        syncs = bool(syncs.item())
-        # The others rebuild their buckets at their first synchronising forward after a
-        # synchronised backward (which this rank ran, or shadowed): so does this one.
-        seen_backward = bool(ddp._ready_order) or self.shadowed_backward
-        if syncs and seen_backward and not ddp._rebuilt and ddp._order_is_static():
-            ddp._rebuild_buckets(ddp.bucket_cap_mb, ddp.first_bucket_cap_mb)
-        if ddp.broadcast_buffers and ddp.require_forward_param_sync:
-            super(JoinDDP, ddp)._broadcast_buffers(ddp._common_rank(candidate=False))
-        ddp.require_forward_param_sync = syncs
-        if not syncs:
-            return
-        # The backward the others run: every bucket, in order, with zeros from us.
-        ddp._in_flight = []
-        for index, bucket in enumerate(ddp.buckets):
-            bucket.buffer.zero_()
-            ddp._in_flight.append((bucket, ddp._launch(index)))
-        for _, work in ddp._in_flight:
-            work.wait()
-        # "Ready": a rank that has left misses nothing; it used nothing either.
-        ddp._exchange_status(ready=1, used=0, problems=0)
-        self.shadowed_backward = True
+        self.ddp._shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
@@ -152,4 +156,4 @@ class _ShadowCollectives(JoinHook):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("join")
+    main(JoinDDP)

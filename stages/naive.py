@@ -17,32 +17,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from ddp.dist import (
-    broadcast_module_states,
-    check_same_parameters,
-    in_place_collective,
-    require_process_group,
-)
+from ddp.dist import broadcast_module_states, check_same_parameters, require_process_group
+from ddp.spans import allreduce_span
 
 
 # --8<-- [start:construction]
 class NaiveDDP(nn.Module):
     """Stage 1: all-reduce every parameter's gradient after backward."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-    ):
+    # What one synchronised backward sends, in order, as the test suite checks it (its
+    # property 6): one all-reduce per trainable parameter. Later stages change this.
+    collectives: tuple[str, ...] = ("all_reduce per parameter",)
+
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
         super().__init__()
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
         self.module = module
         self.process_group = require_process_group(process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        self.bucket_cap_mb = bucket_cap_mb  # unused here: no buckets yet
         check_same_parameters(module, self.process_group)
         self._broadcast_initial_states()
         # Tied weights appear once in named_parameters(), so each gradient is sent once.
@@ -50,7 +41,8 @@ class NaiveDDP(nn.Module):
         self._awaiting_sync = False  # a forward ran whose gradients are not yet averaged
 
     def _broadcast_initial_states(self) -> None:
-        broadcast_module_states(self.module, self.process_group)  # rank 0's, to all
+        """Rank 0's parameters, to every rank (the buffers stage adds buffers)."""
+        broadcast_module_states(self.module, self.process_group, buffers=False)
 
     # --8<-- [end:construction]
 
@@ -73,10 +65,8 @@ class NaiveDDP(nn.Module):
         self._start_synchronization()
         for name, param in self.named_trainable:
             nbytes = param.grad.numel() * param.grad.element_size()
-            with record_function(f"allreduce {name} ({nbytes} B)"):  # a span in traces
-                in_place_collective(
-                    param.grad, lambda g: dist.all_reduce(g, group=self.process_group)
-                )
+            with record_function(allreduce_span(name, nbytes)):  # a span in traces
+                dist.all_reduce(param.grad, group=self.process_group)  # the sum, in place
             param.grad.div_(self.world_size)  # sum -> mean: each rank's loss is a local mean
 
     # --8<-- [end:finish]
@@ -109,4 +99,4 @@ class NaiveDDP(nn.Module):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("naive")
+    main(NaiveDDP)

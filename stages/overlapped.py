@@ -26,6 +26,7 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 
 from ddp.buckets import Bucket
+from ddp.spans import allreduce_span
 from stages.bucketed import BucketedDDP
 
 
@@ -33,14 +34,8 @@ from stages.bucketed import BucketedDDP
 class OverlappedDDP(BucketedDDP):
     """Stage 3: launch each bucket's all-reduce from backward, as soon as it is full."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-    ):
-        super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+    def __init__(self, module: nn.Module, **options):
+        super().__init__(module, **options)
         self._register_hooks()
         self._prepare_for_backward()
 
@@ -81,7 +76,12 @@ class OverlappedDDP(BucketedDDP):
         if not self._finish_queued:  # runs once, when this whole backward is done
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._finish_queued = True
+            self._backward_started()
         self._mark_ready(bucket, i, param.grad)
+
+    def _backward_started(self) -> None:
+        """Called at the first gradient of each synchronised backward: nothing to do yet;
+        stage unused_params marks what forward did not reach here."""
 
     def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         self._copy_in(bucket, i, grad)
@@ -95,8 +95,13 @@ class OverlappedDDP(BucketedDDP):
 
     def _launch(self, index: int) -> dist.Work:
         bucket = self.buckets[index]
-        with record_function(f"allreduce bucket {index} ({bucket.nbytes} B)"):
-            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        with record_function(allreduce_span(f"bucket {index}", bucket.nbytes)):
+            return dist.all_reduce(bucket.buffer, group=self._group_for(index), async_op=True)
+
+    def _group_for(self, index: int) -> dist.ProcessGroup:
+        """The group that all-reduces bucket `index`: one for all of them, until stage
+        round_robin spreads them over several."""
+        return self.process_group
 
     # --8<-- [end:backward]
 
@@ -137,4 +142,4 @@ class OverlappedDDP(BucketedDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("overlapped")
+    main(OverlappedDDP)

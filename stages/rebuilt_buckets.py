@@ -1,4 +1,4 @@
-"""Stage 8, rebuilt_buckets: buckets follow the order gradients really became ready in.
+"""Stage 9, rebuilt_buckets: buckets follow the order gradients really became ready in.
 
 Reverse parameter order is only a guess at the order backward produces gradients: a
 model whose forward calls its layers in another order than it registered them (or
@@ -30,7 +30,10 @@ from stages.grad_views import GradViewsDDP
 
 # --8<-- [start:construction]
 class RebuiltBucketsDDP(GradViewsDDP):
-    """Stage 8: after the first backward, buckets in rank 0's real gradient order."""
+    """Stage 9: after the first backward, buckets in rank 0's real gradient order."""
+
+    # The order is broadcast once, before the buckets of the second synchronised step.
+    collectives = ("broadcast of the ready order, once", *GradViewsDDP.collectives)
 
     def __init__(
         self,
@@ -39,37 +42,39 @@ class RebuiltBucketsDDP(GradViewsDDP):
         first_bucket_cap_mb: float | None = 1.0,  # None: the same cap as the others
         **options,
     ):
-        super().__init__(module, **options)
         if first_bucket_cap_mb is not None and not first_bucket_cap_mb > 0:
             raise ValueError(f"first_bucket_cap_mb must be > 0 MiB, got {first_bucket_cap_mb}")
+        super().__init__(module, **options)
         self.first_bucket_cap_mb = first_bucket_cap_mb
-        self._ready_order: list[int] = []  # bitmap positions, as gradients became ready
+        self._ready_order: list[int] = []  # status row positions, as gradients became ready
+        self._synced_backwards = 0  # the same count on every rank
         self._rebuilt = False
 
     # --8<-- [end:construction]
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        if torch.is_grad_enabled() and self._should_rebuild():
-            self._rebuild_buckets(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        # Only at a forward whose backward synchronises: no collective inside no_sync().
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._before_synced_forward()
         return super().forward(*inputs, **kwargs)
 
-    def _should_rebuild(self) -> bool:
-        # Only at a forward whose backward synchronises: no collective inside no_sync().
-        return (
-            not self._rebuilt
-            and bool(self._ready_order)
-            and self.require_backward_grad_sync
-            and self._order_is_static()
-        )
+    def _before_synced_forward(self) -> None:
+        """Collectives that come before a synchronising forward; every rank runs them."""
+        if not self._rebuilt and self._synced_backwards > 0 and self._order_is_static():
+            self._rebuild_buckets(self._ready_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
+            self._rebuilt = True
 
     def _order_is_static(self) -> bool:
         """Whether the order gradients become ready in is the same every step."""
         return not self.find_unused_parameters
 
-    def _rebuild_buckets(self, bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> None:
-        """New buckets in rank 0's ready order; every rank must call this at the same point."""
-        seen = dict.fromkeys(self._ready_order)  # in order, once each
+    def _rebuild_buckets(
+        self, ready_order: list[int], bucket_cap_mb: float, first_bucket_cap_mb: float | None
+    ) -> None:
+        """New buckets in rank 0's `ready_order` (status row positions, first ready first;
+        the ones it lacks follow in position order); every rank must call this together."""
+        seen = dict.fromkeys(ready_order)  # in order, once each
         order = [*seen, *(k for k in range(len(self.named_trainable)) if k not in seen)]
         order_t = torch.tensor(order, dtype=torch.int64)
         dist.broadcast(order_t, group=self.process_group, group_src=0)  # rank 0's order
@@ -92,7 +97,6 @@ class RebuiltBucketsDDP(GradViewsDDP):
                         bucket.view_of(i).copy_(old_views[id(param)])
                         param.grad = bucket.view_of(i)
         self.bucket_cap_mb = bucket_cap_mb
-        self._rebuilt = True
 
     # --8<-- [end:forward]
 
@@ -102,10 +106,14 @@ class RebuiltBucketsDDP(GradViewsDDP):
             self._ready_order.append(self._position[id(bucket.params[i])])
         super()._mark_ready(bucket, i, grad)
 
+    def _finish_backward(self) -> None:
+        self._synced_backwards += 1
+        super()._finish_backward()
+
     # --8<-- [end:backward]
 
 
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("rebuilt_buckets")
+    main(RebuiltBucketsDDP)

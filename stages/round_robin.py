@@ -1,4 +1,4 @@
-"""Stage 10, round_robin: buckets take turns over several process groups.
+"""Stage 11, round_robin: buckets take turns over several process groups.
 
 One process group runs its collectives one after another. The paper (section 3.3)
 notes that DDP can spread buckets over several groups in round-robin order, so that
@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from stages.comm_hooks import CommHooksDDP
 
@@ -32,7 +31,7 @@ _GROUPS: dict[tuple[tuple[int, ...], int], list[dist.ProcessGroup]] = {}
 
 # --8<-- [start:construction]
 class RoundRobinDDP(CommHooksDDP):
-    """Stage 10: bucket i is all-reduced over process group i mod `round_robin_groups`."""
+    """Stage 11: bucket i is all-reduced over process group i mod `round_robin_groups`."""
 
     def __init__(
         self,
@@ -47,13 +46,8 @@ class RoundRobinDDP(CommHooksDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _launch(self, index: int):
-        if self._comm_hook is not None or len(self.round_robin_groups) == 1:
-            return super()._launch(index)
-        bucket = self.buckets[index]
-        group = self.round_robin_groups[index % len(self.round_robin_groups)]
-        with record_function(f"allreduce bucket {index} ({bucket.nbytes} B)"):
-            return dist.all_reduce(bucket.buffer, group=group, async_op=True)
+    def _group_for(self, index: int) -> dist.ProcessGroup:
+        return self.round_robin_groups[index % len(self.round_robin_groups)]
 
     # --8<-- [end:backward]
 
@@ -83,4 +77,4 @@ def _round_robin(
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("round_robin")
+    main(RoundRobinDDP)

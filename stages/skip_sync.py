@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch.distributed as dist
 from torch import nn
 
 from ddp.buckets import Bucket
@@ -33,14 +32,8 @@ from stages.overlapped import OverlappedDDP
 class SkipSyncDDP(OverlappedDDP):
     """Stage 4: overlapped buckets, plus `no_sync()` for gradient accumulation."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-    ):
-        super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb)
+    def __init__(self, module: nn.Module, **options):
+        super().__init__(module, **options)
         self.require_backward_grad_sync = True  # torch DDP's name; no_sync() clears it
         self._sync_this_backward = True
 
@@ -76,4 +69,4 @@ class SkipSyncDDP(OverlappedDDP):
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("skip_sync")
+    main(SkipSyncDDP)

@@ -1,23 +1,20 @@
-"""Stage 5, unused_params: parameters that get no gradient, without a hang.
+"""Stage 6, unused_params: parameters that get no gradient on purpose, without an error.
 
 A model whose forward skips a branch (a mixture of experts, a loss on one head, a
-layer used only at some steps) leaves some parameters without a gradient. Their
-buckets never fill, and a rank that waits for them waits for ever while the other
-ranks, whose graphs did reach them, have moved on.
-
-With `find_unused_parameters=True`, after forward this stage walks the autograd graph
-from forward's outputs and marks every parameter it does not reach as ready, with a
+layer used only at some steps) leaves some parameters without a gradient. The stage
+before this one turns that into an error on every rank; with
+`find_unused_parameters=True` (torch's name) it is allowed instead. After forward this
+stage walks the autograd graph from forward's outputs and, at the first gradient of
+backward (as torch does), marks every parameter it does not reach as ready, with a
 zero (or its already accumulated) gradient, so its bucket still completes on time.
-At the end of backward a small bitmap of which parameters each rank really used is
-all-reduced: a parameter that no rank used keeps its `.grad` as it was (as torch's DDP
-leaves it), one used anywhere gets the average. Without the flag, the same bitmap
-turns a missing gradient into an error that names it, on every rank, at once.
+The status row all ranks exchange at the end of backward gains which parameters each
+rank really used since the last synchronisation: a parameter that no rank used keeps
+its `.grad` as it was (as torch's DDP leaves it), one used anywhere gets the average.
 
     torchrun --standalone --nproc-per-node 2 -m stages.unused_params --model mlp
 
-Cost: the graph walk after every forward (with the flag) and one small all-reduce per
-synchronised backward. torch's DDP skips that all-reduce without the flag, and a
-rank whose gradient is missing hangs the others instead of failing.
+Cost: the graph walk after every forward (with the flag), and a status row twice as
+long. torch's DDP exchanges its "used" bitmap only with the flag.
 """
 
 from __future__ import annotations
@@ -25,35 +22,30 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from ddp.buckets import Bucket
-from stages.skip_sync import SkipSyncDDP
+from stages.missing_grads import MissingGradsDDP, Status
 
 
 # --8<-- [start:construction]
-class UnusedParamsDDP(SkipSyncDDP):
-    """Stage 5: `find_unused_parameters`, and a missing gradient is an error on every rank."""
+class UnusedParamsDDP(MissingGradsDDP):
+    """Stage 6: `find_unused_parameters`: what forward does not reach counts as ready."""
+
+    # "used": 1 per parameter whose gradient this rank produced since the last
+    # synchronisation; "problems": how many this rank noted inside backward.
+    status_columns = (*MissingGradsDDP.status_columns, "used", "problems")
 
     def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False, **options):
         super().__init__(module, **options)
         self.find_unused_parameters = find_unused_parameters
-        self.rank = dist.get_rank(self.process_group)
         # Which gradients this rank produced since the last synchronisation (no_sync
-        # backwards included): torch's "local used map", in bitmap positions.
-        self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
-        self._locally_used = torch.zeros(len(self._position), dtype=torch.int32)
-        self._globally_used = [1] * len(self._position)
+        # backwards included): torch's "local used map", in status row order.
+        self._locally_used = torch.zeros(len(self.named_trainable), dtype=torch.int32)
+        self._globally_used = [1] * len(self.named_trainable)
         self._unreached: list[tuple[Bucket, int]] = []
         self._problems: list[str] = []  # found inside backward, raised after it
-
-    @property
-    def _slots(self) -> list[tuple[Bucket, int]]:
-        # Every (bucket, index in it) in bitmap position order, whatever the layout.
-        slots = {id(b.params[i]): (b, i) for b in self.buckets for i in range(len(b.params))}
-        return [slots[id(p)] for _, p in self.named_trainable]
+        self._deferred: list[Bucket] = []  # buckets to copy out once we know who used what
 
     # --8<-- [end:construction]
 
@@ -71,14 +63,15 @@ class UnusedParamsDDP(SkipSyncDDP):
 
     # --8<-- [start:backward]
     def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
-        self._locally_used[self._position[id(param)]] = 1
-        if not self._sync_this_backward:
-            return
-        if not self._finish_queued:  # the first hook: as torch, mark the unused ones ready
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            self._finish_queued = True
-            for b, j in self._unreached:
-                self._mark_ready(b, j, b.params[j].grad)
+        self._locally_used[self._position[id(param)]] = 1  # inside no_sync() too
+        super()._on_grad_ready(bucket, i, param)
+
+    def _backward_started(self) -> None:
+        super()._backward_started()
+        for b, j in self._unreached:  # as torch: at the first gradient, the unused are ready
+            self._mark_ready(b, j, b.params[j].grad)
+
+    def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         if self._ready[bucket.index][i]:
             # Raising here would stop only this rank's backward and leave the others
             # waiting in an all-reduce: note it, finish the step, raise on every rank.
@@ -87,79 +80,60 @@ class UnusedParamsDDP(SkipSyncDDP):
                 "it (it was marked unused); compute the loss only from the wrapper's outputs"
             )
             return
-        super()._on_grad_ready(bucket, i, param)
-
-    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if grad is None:  # an unused parameter with nothing accumulated: adds zero
-            bucket.view_of(i).zero_()
-        else:
-            super()._copy_in(bucket, i, grad)
+        super()._mark_ready(bucket, i, grad)
 
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
-        self._awaiting_sync = False
-        slots = self._slots
-        ready = torch.tensor([self._ready[b.index][i] for b, i in slots])
-        # Complete every bucket, even ones whose gradients never came, so that every rank
-        # has issued the same all-reduces in the same order and none can hang.
-        for b, i in slots:
-            if not self._ready[b.index][i]:
-                self._mark_ready(b, i, b.params[i].grad)
-        for bucket, work in self._in_flight:  # every rank issued them all: none can hang
-            work.wait()
-            if not self.find_unused_parameters:  # copy out while later buckets travel
-                self._copy_out(bucket)  # (if a gradient was missing, we raise below)
-        status = self._exchange_status(ready, self._locally_used, len(self._problems))
-        self._locally_used.zero_()
-        self._raise_on_every_rank(status, slots)
-        if self.find_unused_parameters:  # what to copy depends on who used what
-            n = len(slots)
-            self._globally_used = status[:, n : 2 * n].sum(0).tolist()
-            for bucket, _ in self._in_flight:
-                self._copy_out(bucket)
+        self._deferred = []
+        super()._finish_backward()  # with the flag, its copy-outs wait for the status
+        for bucket in self._deferred:
+            super()._copy_out(bucket)
 
     def _copy_out(self, bucket: Bucket) -> None:
-        for i, param in enumerate(bucket.params):
-            if not self._globally_used[self._position[id(param)]]:
-                continue  # used on no rank: .grad stays as it was, as in torch's DDP
-            if param.grad is None:  # unused here, used elsewhere: gets the average
-                param.grad = bucket.view_of(i).clone()
-            else:
-                param.grad.copy_(bucket.view_of(i))
+        if self.find_unused_parameters:  # what to copy depends on who used what
+            self._deferred.append(bucket)
+        else:
+            super()._copy_out(bucket)
 
-    def _exchange_status(self, ready, used, problems: int) -> torch.Tensor:
-        """Every rank's row [ready in this backward | used since last sync | problems],
-        (W, 2n + 1), from this rank's part; one all-reduce."""
-        n = len(self.named_trainable)
-        status = torch.zeros(self.world_size, 2 * n + 1, dtype=torch.int32)
-        status[self.rank, :n] = ready
-        status[self.rank, n : 2 * n] = used
-        status[self.rank, 2 * n] = problems
-        dist.all_reduce(status, group=self.process_group)
+    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
+        if not self._globally_used[self._position[id(param)]]:
+            return  # used on no rank: .grad stays as it was, as in torch's DDP
+        if param.grad is None:  # unused here, used elsewhere: gets the average
+            param.grad = self._new_grad(average)
+        else:
+            super()._copy_grad_out(param, average)
+
+    def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
+        return average.clone()
+
+    def _status_row(self, ready: torch.Tensor) -> Status:
+        return {
+            **super()._status_row(ready),
+            "used": self._locally_used.clone(),
+            "problems": torch.tensor([len(self._problems)], dtype=torch.int32),
+        }
+
+    def _exchange_status(self, row: Status) -> Status:
+        status = super()._exchange_status(row)
+        self._locally_used.zero_()
+        if self.find_unused_parameters:
+            self._globally_used = status["used"].sum(0).tolist()
         return status
 
-    def _raise_on_every_rank(self, status: torch.Tensor, slots: list[tuple[Bucket, int]]) -> None:
-        name, n = type(self).__name__, len(slots)
-        troubled = status[:, 2 * n].nonzero().flatten().tolist()
+    def _raise_on_every_rank(self, status: Status) -> None:
+        troubled = status["problems"][:, 0].nonzero().flatten().tolist()
         if troubled:
             mine = "; ".join(self._problems) or f"see the error on rank(s) {troubled}"
-            raise RuntimeError(f"{name}: bad backward on rank(s) {troubled}: {mine}")
-        if self.find_unused_parameters:
-            return
-        absent = {
-            r: [b.names[i] for k, (b, i) in enumerate(slots) if status[r, k] == 0]
-            for r in range(self.world_size)
-        }
-        absent = {r: names for r, names in absent.items() if names}
-        if absent:
-            where = "; ".join(f"rank {r}: {names}" for r, names in absent.items())
-            raise RuntimeError(
-                f"{name}: parameters got no gradient in this backward ({where}). Pass "
-                "find_unused_parameters=True if forward may skip them, or freeze them with "
-                "requires_grad_(False) if they should not train"
-            )
+            raise RuntimeError(f"{type(self).__name__}: bad backward on rank(s) {troubled}: {mine}")
+        if not self.find_unused_parameters:  # with the flag, a missing gradient is allowed
+            super()._raise_on_every_rank(status)
+
+    def _missing_advice(self) -> str:
+        return "pass find_unused_parameters=True if forward may skip them, or " + (
+            super()._missing_advice()
+        )
 
     # --8<-- [end:finish]
 
@@ -199,4 +173,4 @@ def _tensors(obj) -> Iterator[torch.Tensor]:
 if __name__ == "__main__":
     from ddp.train import main
 
-    main("unused_params")
+    main(UnusedParamsDDP)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp import comm_hooks
+from ddp.train import keyword_options
 from stages import STAGES
 from tests import pool
 
@@ -191,9 +192,9 @@ def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: Collective
         options["round_robin_groups"] = pool.ROUND_ROBIN[case.world_size][
             : options["round_robin_groups"] - 1
         ]
-    wrapped = STAGES[case.wrapper](
-        model, process_group=group, bucket_cap_mb=case.bucket_cap_mb, **options
-    )
+    if "bucket_cap_mb" in keyword_options(STAGES[case.wrapper]):  # all but the first stage
+        options["bucket_cap_mb"] = case.bucket_cap_mb
+    wrapped = STAGES[case.wrapper](model, process_group=group, **options)
     if hook == "allreduce":
         wrapped.register_comm_hook(group, comm_hooks.allreduce_hook)
     elif hook == "torch_allreduce":  # torch's own hook takes our GradBucket too

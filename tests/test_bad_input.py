@@ -109,10 +109,15 @@ def test_calls_in_the_wrong_order(pool, stage: str, mistake: str) -> None:
 
 
 @pytest.mark.parametrize("cap", [0.0, -1.0, math.nan])
-@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("stage", stages_from("bucketed"))
 def test_bucket_cap_must_be_positive(stage: str, cap: float) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
         STAGES[stage](nn.Linear(2, 2), bucket_cap_mb=cap)
+
+
+def test_naive_has_no_buckets() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap_mb'"):
+        STAGES["naive"](nn.Linear(2, 2), bucket_cap_mb=25.0)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))

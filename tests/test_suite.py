@@ -1,5 +1,5 @@
 """The one suite: every stage and torch's own DDP, checked on real Gloo groups against
-single-process training (DESIGN.md's six properties), with hypothesis drawing cases."""
+single-process training (six properties, numbered below), with hypothesis drawing cases."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+from ddp.train import keyword_options
+from stages import STAGES
 from tests.cases import (
+    TORCH_OPTIONS,
     WRAPPERS,
     Case,
     NetSpec,
@@ -19,7 +23,6 @@ from tests.cases import (
     ready_order,
     reference_run,
     run_case,
-    stages_from,
 )
 from tests.pool import MAX_WORLD, check_no_errors
 
@@ -45,33 +48,24 @@ def nets(draw) -> NetSpec:
     )
 
 
-def has_idea(wrapper: str, first: str) -> bool:
-    """Whether the row has `first`'s idea; torch's DDP has every idea."""
-    return wrapper == "torch_ddp" or wrapper in stages_from(first)
-
-
 CAPS = st.one_of(st.just(1e-9), st.floats(1e-6, 1e-3), st.just(25.0))
+DRAWN = {  # the keyword options a stage may take, each drawn where the stage takes it
+    "find_unused_parameters": st.booleans(),
+    "broadcast_buffers": st.booleans(),
+    "gradient_as_bucket_view": st.booleans(),
+    "first_bucket_cap_mb": st.one_of(st.none(), CAPS),
+    "round_robin_groups": st.integers(1, 3),
+    "static_graph": st.booleans(),
+}
 
 
 @st.composite
 def options(draw, wrapper: str) -> tuple[tuple[str, object], ...]:
-    """The keyword options the stage (or torch's DDP) has, drawn."""
-    drawn = {}
-    if has_idea(wrapper, "unused_params"):
-        drawn["find_unused_parameters"] = draw(st.booleans())
-    if has_idea(wrapper, "buffers"):
-        drawn["broadcast_buffers"] = draw(st.booleans())
-    if has_idea(wrapper, "grad_views"):
-        drawn["gradient_as_bucket_view"] = draw(st.booleans())
-    ours = wrapper != "torch_ddp"
-    if has_idea(wrapper, "rebuilt_buckets") and ours and wrapper != "drop_in":
-        drawn["first_bucket_cap_mb"] = draw(st.one_of(st.none(), CAPS))
-    if has_idea(wrapper, "comm_hooks") and ours:  # ours, or torch's own hook
+    """The keyword options the stage (or torch's DDP) takes, drawn."""
+    takes = TORCH_OPTIONS if wrapper == "torch_ddp" else keyword_options(STAGES[wrapper])
+    drawn = {name: draw(strategy) for name, strategy in DRAWN.items() if name in takes}
+    if wrapper != "torch_ddp" and hasattr(STAGES[wrapper], "register_comm_hook"):
         drawn["comm_hook"] = draw(st.sampled_from([None, "allreduce", "torch_allreduce"]))
-    if has_idea(wrapper, "round_robin") and ours:
-        drawn["round_robin_groups"] = draw(st.integers(1, 3))
-    if wrapper == "drop_in":
-        drawn["static_graph"] = draw(st.booleans())
     return tuple(drawn.items())
 
 
@@ -136,14 +130,16 @@ def check_case(pool, case: Case) -> None:
                 **tolerance(p),
                 msg=lambda m, i=i, step=step: f"param {i} step {step}: {m}",
             )
-    # 6. Collectives per synchronised backward are what the stage promises; none
-    # inside no_sync.
+    # 6. Collectives per synchronised backward are what the stage declares (its
+    # `collectives`); none inside no_sync.
     model = build_net(case.net, seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     buckets = expected_bucket_sizes(model, case.bucket_cap_mb)
-    after = lambda stage: has_idea(case.wrapper, stage)  # noqa: E731
+    torch_ddp = case.wrapper == "torch_ddp"
+    cls = nn.parallel.DistributedDataParallel if torch_ddp else STAGES[case.wrapper]
+    declared = getattr(cls, "collectives", ())
     opts = dict(case.options)
-    rebuilds = after("rebuilt_buckets") and (
+    rebuilds = READY_ORDER in declared and (
         not opts.get("find_unused_parameters") or opts.get("static_graph")
     )
     if rebuilds:  # from the second step on, in the order gradients became ready
@@ -158,24 +154,39 @@ def check_case(pool, case: Case) -> None:
         if rebuilds and step > 0:
             buckets = rebuilt
         for j, calls in enumerate(step_calls):
-            skipped = after("skip_sync") and j < case.accumulation - 1
-            if skipped:
+            if hasattr(cls, "no_sync") and j < case.accumulation - 1:
                 assert calls == [], f"collectives inside no_sync: {calls}"
-            elif case.wrapper == "naive":
-                assert [c[0] for c in calls] == ["all_reduce"] * len(trainable)
-            elif case.wrapper == "torch_ddp":
+            elif torch_ddp:  # its own run in C++: we see its comm hook's
                 assert len(calls) >= 1 and {c[0] for c in calls} == {"all_reduce"}
             else:
-                # One per bucket, launched in bucket order (not the order they filled in).
-                assert step > 0 or rank0.bucket_sizes == buckets, "bucket layout"
-                expected = [("all_reduce", (n,)) for n in buckets]
-                if rebuilds and step == 1:  # rank 0's ready order, once
-                    expected.insert(0, ("broadcast", (len(trainable),)))
-                if after("unused_params"):  # and one for the bitmap of who used what
-                    expected.append(("all_reduce", (case.world_size, 2 * len(trainable) + 1)))
-                assert calls == expected, (
-                    f"expected one all_reduce per bucket in bucket order {buckets}, got {calls}"
-                )
+                if PER_BUCKET in declared:  # launched in bucket order, not as they filled
+                    assert step > 0 or rank0.bucket_sizes == buckets, "bucket layout"
+                expected = [
+                    call
+                    for what in declared
+                    for call in expected_calls(what, cls, case, trainable, buckets, rebuilds, step)
+                ]
+                assert calls == expected, f"{case.wrapper} declares {declared}: got {calls}"
+
+
+PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
+READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
+STATUS_WIDTH = {"ready": "n", "used": "n", "problems": 1}  # per column: n = trainable params
+
+
+def expected_calls(what, cls, case, trainable, buckets, rebuilds, step) -> list[tuple]:
+    """The collectives (name, shape) that one declaration of a stage stands for."""
+    n = len(trainable)
+    if what == PER_PARAMETER:
+        return [("all_reduce", tuple(p.shape)) for p in trainable]
+    if what == PER_BUCKET:
+        return [("all_reduce", (size,)) for size in buckets]
+    if what == READY_ORDER:  # once, before the second synchronised step's forward
+        return [("broadcast", (n,))] if rebuilds and step == 1 else []
+    if what == STATUS:
+        width = sum(n if STATUS_WIDTH[c] == "n" else STATUS_WIDTH[c] for c in cls.status_columns)
+        return [("all_reduce", (case.world_size, width))]
+    raise AssertionError(f"{cls.__name__} declares {what!r}, which the suite does not know")
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
