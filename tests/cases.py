@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from ddp import comm_hooks
 from stages import STAGES
 from tests import pool
+from tests.models import NetSpec, build_net
 
 WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
 
@@ -27,58 +28,6 @@ def stages_from(first: str) -> list[str]:
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
 TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
-
-
-@dataclass(frozen=True)
-class NetSpec:
-    d_in: int
-    width: int
-    d_out: int
-    order: tuple[int, ...]  # hidden layers in the order forward applies them
-    dtypes: tuple[str, ...] = ()  # per hidden layer
-    frozen: tuple[bool, ...] = ()  # per hidden layer
-    tied: bool = False  # one more layer sharing hidden[0]'s weight
-    transposed: bool = False  # input weight stored transposed: a non-contiguous parameter
-    unused: bool = False  # a trainable layer forward never calls (a bad input)
-
-
-class TransposedLinear(nn.Module):
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_out, d_in).t() / d_in**0.5)  # (d_in, d_out)
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight + self.bias
-
-
-class Net(nn.Module):
-    """Registration order is not the order forward runs the hidden layers in, so the
-    order gradients become ready differs from reverse parameter order."""
-
-    def __init__(self, spec: NetSpec):
-        super().__init__()
-        self.spec = spec
-        linear = TransposedLinear if spec.transposed else nn.Linear
-        self.inp = linear(spec.d_in, spec.width)
-        self.hidden = nn.ModuleList(
-            nn.Linear(spec.width, spec.width, dtype=getattr(torch, dt)) for dt in spec.dtypes
-        )
-        for layer, frozen in zip(self.hidden, spec.frozen, strict=True):
-            layer.requires_grad_(not frozen)
-        if spec.tied:
-            self.twin = nn.Linear(spec.width, spec.width, dtype=self.hidden[0].weight.dtype)
-            self.twin.weight = self.hidden[0].weight
-        if spec.unused:
-            self.unused = nn.Linear(spec.width, spec.width)
-        self.out = nn.Linear(spec.width, spec.d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        layers = [self.hidden[i] for i in self.spec.order] + ([self.twin] if self.spec.tied else [])
-        for layer in layers:
-            h = torch.tanh(layer(h.to(layer.weight.dtype)))
-        return self.out(h.float())
 
 
 @dataclass(frozen=True)
@@ -103,11 +52,6 @@ class RankRun:
     params: list[list[torch.Tensor]] = field(default_factory=list)  # per step, after it
     calls: list[list[list[tuple]]] = field(default_factory=list)  # per step, per micro-batch
     bucket_sizes: list[int] | None = None  # numel of each bucket, in bucket order
-
-
-def build_net(spec: NetSpec, seed: int) -> Net:
-    torch.manual_seed(seed)
-    return Net(spec)
 
 
 def global_batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from stages import STAGES
-from tests.cases import NetSpec, build_net, stages_from
+from tests.cases import stages_from
+from tests.models import BRANCHES, Branchy, NetSpec, Normed, build_net
 from tests.pool import RankError, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_TORCH_EXAMPLES", "12"))  # per stage per test
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI
-BRANCHES = 3
 TIGHT = {"rtol": 1.3e-6, "atol": 1e-5}  # torch.testing's float32 default; W-fold errors are far out
 
 
@@ -83,25 +83,6 @@ def params_of(model: nn.Module) -> dict:
 
 # ---------------------------------------------------------------------------------------
 # 1. Unused parameters: which branches forward runs changes per step, micro-batch, rank.
-
-
-class Branchy(nn.Module):
-    """A trunk, three branches and a head; forward runs only the branches it is told to,
-    in the order it is told, as a router sends each batch to some experts."""
-
-    def __init__(self, extra: bool = False):
-        super().__init__()
-        self.trunk = nn.Linear(3, 4)
-        self.branches = nn.ModuleList(nn.Linear(4, 4) for _ in range(BRANCHES))
-        self.head = nn.Linear(4, 2)
-        if extra:
-            self.extra = nn.Linear(4, 4)  # forward never calls it
-
-    def forward(self, x: torch.Tensor, use: tuple[int, ...]) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
-        for k in use:
-            h = torch.tanh(self.branches[k](h))
-        return self.head(h)
 
 
 @dataclass(frozen=True)
@@ -299,17 +280,6 @@ def test_loss_reaches_a_parameter_the_output_does_not(
 
 # ---------------------------------------------------------------------------------------
 # 2. Buffers: BatchNorm's running statistics follow rank 0, at the forwards torch picks.
-
-
-class Normed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(3, 4)
-        self.norm = nn.BatchNorm1d(4)  # running_mean, running_var, num_batches_tracked
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 # step: one synced step; accumulate: two micro-batches, the first under no_sync;

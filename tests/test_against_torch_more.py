@@ -35,8 +35,9 @@ from stages import STAGES
 from stages.auto_bucket import CANDIDATES_MB
 from tests import pool as pool_module
 from tests.cases import stages_from
+from tests.models import DEPTH, WIDTH, Layers, Normed, UserNet, Wide
 from tests.pool import check_no_errors
-from tests.test_against_torch import TIGHT, Normed, assert_same, grads_of, params_of
+from tests.test_against_torch import TIGHT, assert_same, grads_of, params_of
 
 SECONDS = 30  # a hang fails the test after this long instead of blocking CI
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -111,27 +112,8 @@ def wrap_torch(model: nn.Module, group, bucket_cap_mb, **options) -> nn.Module:
 # 1. Communication hooks: our stage with our hook, and with torch's, against torch's DDP
 #    with torch's hook.
 
-WIDTH, DEPTH = 16, 4
 LAYER_CAP_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one layer's float32 gradient bytes
 ONE_BUCKET_MB = 25.0
-
-
-class Layers(nn.Module):
-    """Four 16 x 16 layers. PowerSGD (rank 1) compresses each weight, 256 numbers sent as
-    32, and sends the biases exact. A cap of exactly one layer's gradient bytes gives
-    torch and the stages the same buckets, one layer each: torch closes a bucket once it
-    reaches the cap, the stages before it would exceed it, and here both happen at the
-    same parameter. PowerSGD draws its random projections per bucket, so its results
-    depend on the layout; the test checks the layouts are torch's."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 OUR_HOOKS = {
@@ -450,20 +432,6 @@ def test_uneven_inputs_with_join_as_torch(pool, stage: str, case: JoinCase) -> N
 # 4. auto_bucket: every rank picks the same cap, and trains as torch's DDP does.
 
 
-class Wide(nn.Module):
-    """Four 256 x 256 layers, 0.25 MiB of float32 gradient each: the candidate caps give
-    from four buckets to one."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 AUTO_STEPS = 5
 
 
@@ -536,19 +504,6 @@ def test_auto_bucket_rejects_bad_options(pool, stage: str) -> None:
 
 # ---------------------------------------------------------------------------------------
 # 5. drop_in: a training script written for torch's DDP, run with either class.
-
-
-class UserNet(nn.Module):
-    def __init__(self, unused: bool):
-        super().__init__()
-        self.inp = nn.Linear(3, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.out = nn.Linear(8, 2)
-        if unused:
-            self.spare = nn.Linear(8, 8)  # forward never calls it
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 @dataclass(frozen=True)

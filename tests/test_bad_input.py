@@ -13,7 +13,8 @@ from torch import nn
 
 from ddp.data import split_batch
 from stages import STAGES
-from tests.cases import Net, NetSpec, build_net, stages_from
+from tests.cases import stages_from
+from tests.models import Net, NetSpec, build_net
 from tests.pool import RankError
 
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI

@@ -13,14 +13,13 @@ from hypothesis import strategies as st
 from tests.cases import (
     WRAPPERS,
     Case,
-    NetSpec,
-    build_net,
     expected_bucket_sizes,
     ready_order,
     reference_run,
     run_case,
     stages_from,
 )
+from tests.models import NetSpec, build_net
 from tests.pool import MAX_WORLD, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_EXAMPLES", "200"))  # per stage per run
