@@ -1,5 +1,5 @@
-"""What the suite runs: a model family hypothesis can shape, the distributed run of one
-case on the workers, and the single-process reference it is compared with."""
+"""What the suite runs: the distributed run of one case (a net of tests.models) on the
+workers, and the single-process reference it is compared with."""
 
 from __future__ import annotations
 
@@ -12,19 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ddp import comm_hooks
-from stages import STAGES
 from tests import pool
+from tests.adapters import TORCH_DDP, build_wrapper
 from tests.models import NetSpec, build_net
-
-WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
-
-
-def stages_from(first: str) -> list[str]:
-    """Every stage that has `first`'s idea: it and all the stages after it."""
-    order = list(STAGES)
-    return order[order.index(first) :]
-
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
 TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
@@ -115,34 +105,22 @@ class CollectiveLog:
 
 
 def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: CollectiveLog):
-    if case.wrapper == "torch_ddp":
-        ddp = nn.parallel.DistributedDataParallel(
-            model,
-            process_group=group,
-            bucket_cap_mb=case.bucket_cap_mb,
-            **{k: v for k, v in case.options if k in TORCH_OPTIONS},
-        )
+    """The case's wrapper with the case's options; torch's DDP counts its all-reduces
+    into `log` through a comm hook."""
+    options = dict(case.options)
+    if case.wrapper == TORCH_DDP:
+        options = {k: v for k, v in options.items() if k in TORCH_OPTIONS}
 
         def counting_hook(state, bucket):  # torch's collectives bypass torch.distributed
             log.calls.append(("all_reduce", tuple(bucket.buffer().shape)))
             return default_hooks.allreduce_hook(group, bucket)
 
-        ddp.register_comm_hook(None, counting_hook)
-        return ddp
-    options = dict(case.options)
-    hook = options.pop("comm_hook", None)
-    if "round_robin_groups" in options:  # k - 1 groups the pool made over the same ranks
+        options.update(comm_hook=counting_hook, hook_state=None)
+    elif "round_robin_groups" in options:  # k - 1 groups the pool made over the same ranks
         options["round_robin_groups"] = pool.ROUND_ROBIN[case.world_size][
             : options["round_robin_groups"] - 1
         ]
-    wrapped = STAGES[case.wrapper](
-        model, process_group=group, bucket_cap_mb=case.bucket_cap_mb, **options
-    )
-    if hook == "allreduce":
-        wrapped.register_comm_hook(group, comm_hooks.allreduce_hook)
-    elif hook == "torch_allreduce":  # torch's own hook takes our GradBucket too
-        wrapped.register_comm_hook(group, default_hooks.allreduce_hook)
-    return wrapped
+    return build_wrapper(case.wrapper, model, group, bucket_cap_mb=case.bucket_cap_mb, **options)
 
 
 def synchronize(wrapped: nn.Module) -> None:

@@ -23,21 +23,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from stages import STAGES
-from tests.cases import stages_from
+from tests.adapters import build_wrapper, stages_from
 from tests.models import BRANCHES, Branchy, NetSpec, Normed, build_net
 from tests.pool import RankError, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_TORCH_EXAMPLES", "12"))  # per stage per test
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI
 TIGHT = {"rtol": 1.3e-6, "atol": 1e-5}  # torch.testing's float32 default; W-fold errors are far out
-
-
-def wrap(wrapper: str, model: nn.Module, group: dist.ProcessGroup, options: dict) -> nn.Module:
-    """The stage, or torch's DDP ("torch_ddp"), with the very same keyword arguments."""
-    if wrapper == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(model, process_group=group, **options)
-    return STAGES[wrapper](model, process_group=group, **options)
 
 
 def ours_and_torchs(rank: int, group: dist.ProcessGroup, train, stage: str, *args):
@@ -118,10 +110,10 @@ def train_routed(rank: int, group: dist.ProcessGroup, wrapper: str, routing: Rou
     """[(gradients before the optimizer step, parameters after it)] per step."""
     torch.manual_seed(routing.seed * 31 + 1000 * rank + 1)  # ranks differ until broadcast
     model = Branchy()
-    options = {"bucket_cap_mb": routing.bucket_cap_mb, "find_unused_parameters": True}
+    options = {"find_unused_parameters": True}
     if routing.gradient_as_bucket_view:
         options["gradient_as_bucket_view"] = True
-    wrapped = wrap(wrapper, model, group, options)
+    wrapped = build_wrapper(wrapper, model, group, bucket_cap_mb=routing.bucket_cap_mb, **options)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(routing.seed * 7919 + rank)
     record = []
@@ -182,7 +174,7 @@ def healthy_step(rank: int, group: dist.ProcessGroup, stage: str) -> tuple[float
     for wrapper in (stage, "torch_ddp"):
         torch.manual_seed(1000 * rank)
         model = Branchy()
-        wrapped = wrap(wrapper, model, group, {})
+        wrapped = build_wrapper(wrapper, model, group)
         x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
         wrapped(x, tuple(range(BRANCHES))).square().mean().backward()
         grads.append(grads_of(model))
@@ -201,7 +193,7 @@ def used_on_rank_0_only(
     rank: int, group: dist.ProcessGroup, stage: str, bucket_cap_mb: float
 ) -> tuple[str | None, tuple]:
     torch.manual_seed(1000 * rank)
-    wrapped = STAGES[stage](Branchy(), process_group=group, bucket_cap_mb=bucket_cap_mb)
+    wrapped = build_wrapper(stage, Branchy(), group, bucket_cap_mb=bucket_cap_mb)
     use = (0, 1, 2) if rank == 0 else (0, 2)  # branch 1 gets no gradient on ranks 1, 2, ...
     try:
         wrapped(torch.randn(2, 3), use).sum().backward()
@@ -240,8 +232,8 @@ def loss_beside_the_output(
 ) -> tuple[str | None, tuple]:
     torch.manual_seed(1000 * rank)
     model = Branchy(extra=True)
-    wrapped = STAGES[stage](
-        model, process_group=group, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True
+    wrapped = build_wrapper(
+        stage, model, group, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True
     )
     try:
         # Autograd runs the later-built term first: `term_first` makes extra's gradient
@@ -306,8 +298,9 @@ def train_with_buffers(
             model.norm.running_mean.normal_()
             model.norm.running_var.uniform_(0.5, 2.0)
             model.norm.num_batches_tracked.fill_(3 * rank + 1)
-    options = {"bucket_cap_mb": 25.0, "broadcast_buffers": broadcast_buffers}
-    wrapped = wrap(wrapper, model, group, options)
+    wrapped = build_wrapper(
+        wrapper, model, group, bucket_cap_mb=25.0, broadcast_buffers=broadcast_buffers
+    )
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(seed * 7919 + rank)
 
@@ -432,8 +425,9 @@ def train_on_views(
     never allocates a new one; the identity checks run under torch's DDP too, so they
     expect only what torch does."""
     model = build_net(VIEW_NET, seed=1000 * rank + 1)
-    options = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True}
-    wrapped = wrap(wrapper, model, group, options)
+    wrapped = build_wrapper(
+        wrapper, model, group, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True
+    )
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(rank)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -34,7 +34,7 @@ from ddp import comm_hooks
 from stages import STAGES
 from stages.auto_bucket import CANDIDATES_MB
 from tests import pool as pool_module
-from tests.cases import stages_from
+from tests.adapters import build_wrapper, comm_hook_by_name, stages_from
 from tests.models import DEPTH, WIDTH, Layers, Normed, UserNet, Wide
 from tests.pool import check_no_errors
 from tests.test_against_torch import TIGHT, assert_same, grads_of, params_of
@@ -91,23 +91,6 @@ def sgd_steps(
     return record
 
 
-def wrap_stage(stage: str, model: nn.Module, group, bucket_cap_mb, **options) -> nn.Module:
-    """The stage, with torch's meaning of an explicit bucket_cap_mb: the first bucket
-    gets that cap too (drop_in does this itself; the earlier stages default to a
-    1 MiB first bucket, torch's choice only when bucket_cap_mb is not given)."""
-    if stage != "drop_in" and bucket_cap_mb is not None:
-        options["first_bucket_cap_mb"] = None
-    if bucket_cap_mb is not None:
-        options["bucket_cap_mb"] = bucket_cap_mb
-    return STAGES[stage](model, process_group=group, **options)
-
-
-def wrap_torch(model: nn.Module, group, bucket_cap_mb, **options) -> nn.Module:
-    return nn.parallel.DistributedDataParallel(
-        model, process_group=group, bucket_cap_mb=bucket_cap_mb, **options
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # 1. Communication hooks: our stage with our hook, and with torch's, against torch's DDP
 #    with torch's hook.
@@ -116,18 +99,6 @@ LAYER_CAP_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one layer's float32 gradie
 ONE_BUCKET_MB = 25.0
 
 
-OUR_HOOKS = {
-    "allreduce": comm_hooks.allreduce_hook,
-    "fp16": comm_hooks.fp16_compress_hook,
-    "bf16": comm_hooks.bf16_compress_hook,
-    "powerSGD": comm_hooks.powerSGD_hook,
-}
-TORCH_HOOKS = {
-    "allreduce": default_hooks.allreduce_hook,
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-    "powerSGD": torch_powersgd.powerSGD_hook,
-}
 # Two plain iterations (the second after the buckets are rebuilt), then compression from
 # the third step on; error feedback and warm start (torch's defaults) act from the fourth.
 POWERSGD = {"start_powerSGD_iter": 2, "use_error_feedback": True, "warm_start": True}
@@ -161,11 +132,7 @@ def train_with_hook(
     `impl`: whose hook, ours or torch's."""
     torch.manual_seed(1000 * rank + 1)
     model = Layers()
-    if wrapper == "torch_ddp":
-        wrapped = wrap_torch(model, group, cap_mb)
-    else:
-        wrapped = wrap_stage(wrapper, model, group, cap_mb)
-    fn = (OUR_HOOKS if impl == "ours" else TORCH_HOOKS)[hook]
+    fn = comm_hook_by_name(hook if impl == "ours" else f"torch_{hook}")
     if hook == "powerSGD":
         state_type = comm_hooks.PowerSGDState if impl == "ours" else torch_powersgd.PowerSGDState
         state = state_type(group, **POWERSGD)
@@ -180,7 +147,15 @@ def train_with_hook(
         layouts[-1].append((bucket.index(), [names[id(p)] for p in bucket.parameters()]))
         return fn(state, bucket)
 
-    wrapped.register_comm_hook(state, recorded)
+    wrapped = build_wrapper(
+        wrapper,
+        model,
+        group,
+        bucket_cap_mb=cap_mb,
+        first_bucket_as_torch=True,
+        comm_hook=recorded,
+        hook_state=state,
+    )
     record = sgd_steps(wrapped, model, rank, HOOK_STEPS, (4, WIDTH), lambda: layouts.append([]))
     stats = (state.iter, state.compression_stats()) if hook == "powerSGD" else None
     return record, layouts, stats
@@ -243,10 +218,7 @@ def test_comm_hook_training_as_torch(
 def register_twice(rank: int, group: dist.ProcessGroup, wrapper: str) -> list[str]:
     """What each of two register_comm_hook calls raised ("" for none)."""
     torch.manual_seed(rank)
-    if wrapper == "torch_ddp":
-        wrapped = wrap_torch(Layers(), group, None)
-    else:
-        wrapped = wrap_stage(wrapper, Layers(), group, None)
+    wrapped = build_wrapper(wrapper, Layers(), group)
     raised = []
     for _ in range(2):
         try:
@@ -276,10 +248,10 @@ def train_round_robin(
     torch.manual_seed(1000 * rank + 1)
     model = Layers()
     groups = [group, *pool_module.ROUND_ROBIN[group.size()]]
-    if wrapper == "torch_ddp":
-        wrapped = wrap_torch(model, group, cap_mb)
-    else:
-        wrapped = wrap_stage(wrapper, model, group, cap_mb, round_robin_groups=groups[1:])
+    options = {} if wrapper == "torch_ddp" else {"round_robin_groups": groups[1:]}
+    wrapped = build_wrapper(
+        wrapper, model, group, bucket_cap_mb=cap_mb, first_bucket_as_torch=True, **options
+    )
     calls = []
     original = dist.all_reduce
 
@@ -332,7 +304,7 @@ def test_round_robin_groups_as_torch(pool, stage: str, cap_mb: float, world_size
 def foreign_round_robin_group(rank: int, group: dist.ProcessGroup, stage: str) -> str:
     other = pool_module.ROUND_ROBIN[group.size() + 1][0]  # ranks 0..W, not 0..W-1
     try:
-        wrap_stage(stage, Layers(), group, None, round_robin_groups=[other])
+        build_wrapper(stage, Layers(), group, round_robin_groups=[other])
     except ValueError as e:
         return str(e)
     return ""
@@ -384,10 +356,9 @@ def train_uneven(rank: int, group: dist.ProcessGroup, wrapper: str, case: JoinCa
         "gradient_as_bucket_view": case.gradient_as_bucket_view,
     }
     cap_mb = 1e-9 if case.several_buckets else ONE_BUCKET_MB
-    if wrapper == "torch_ddp":
-        wrapped = wrap_torch(model, group, cap_mb, **options)
-    else:
-        wrapped = wrap_stage(wrapper, model, group, cap_mb, **options)
+    wrapped = build_wrapper(
+        wrapper, model, group, bucket_cap_mb=cap_mb, first_bucket_as_torch=True, **options
+    )
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(rank)
     divide = case.divide_by_initial_world_size
@@ -439,10 +410,8 @@ def train_auto(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
     """([(gradients, parameters)] per step, [choice after each step], bucket layout)."""
     torch.manual_seed(1000 * rank + 1)
     model = Wide()
-    if wrapper == "torch_ddp":
-        wrapped = wrap_torch(model, group, None)  # torch's default cap
-    else:
-        wrapped = STAGES[wrapper](model, process_group=group, bucket_cap_mb="auto")
+    cap_mb = None if wrapper == "torch_ddp" else "auto"  # torch's default cap
+    wrapped = build_wrapper(wrapper, model, group, bucket_cap_mb=cap_mb)
     choices = []
     record = sgd_steps(
         wrapped,

@@ -17,24 +17,22 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from ddp import comm_hooks
 from ddp.buckets import assign_buckets
 from ddp.comm_hooks import GradBucket, PowerSGDState
+from tests.adapters import COMM_HOOKS
 from tests.pool import MAX_WORLD, RankError
 
 SMALL_CAP_MB = 512 / 2**20  # 512 B: the float32 layers split over three buckets
 ONE_BUCKET_MB = 25.0  # every float32 gradient in one bucket
 
-# name -> (ours, torch's). Workers look hooks up by name: torch's wrapper is a closure,
-# which pickle cannot send.
+# name -> (ours, torch's): the pairs of COMM_HOOKS and one more. Workers look hooks up by
+# name: torch's wrapper is a closure, which pickle cannot send.
 HOOKS = {
-    "allreduce": (comm_hooks.allreduce_hook, default_hooks.allreduce_hook),
-    "fp16": (comm_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
-    "bf16": (comm_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook),
+    **COMM_HOOKS,
     # torch's wrapper swaps a float16 copy in with set_buffer: this pair checks that our
     # set_buffer replaces the buffer as torch's does (a copy would all-reduce float32).
     "fp16_wrapper": (
         comm_hooks.fp16_compress_hook,
         default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
     ),
-    "powerSGD": (comm_hooks.powerSGD_hook, torch_powersgd.powerSGD_hook),
 }
 
 

@@ -10,15 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cases import (
-    WRAPPERS,
-    Case,
-    expected_bucket_sizes,
-    ready_order,
-    reference_run,
-    run_case,
-    stages_from,
-)
+from tests.adapters import WRAPPERS, stages_from
+from tests.cases import Case, expected_bucket_sizes, ready_order, reference_run, run_case
 from tests.models import NetSpec, build_net
 from tests.pool import MAX_WORLD, check_no_errors
 
