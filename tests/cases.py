@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests import pool
 from tests.adapters import TORCH_DDP, build_wrapper
+from tests.compare import clone
 from tests.models import NetSpec, build_net
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
@@ -152,15 +153,11 @@ def run_case(rank: int, group: dist.ProcessGroup, case: Case) -> RankRun:
                     synchronize(wrapped)
             step_calls.append(calls)
         run.calls.append(step_calls)
-        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        run.grads.append([clone(p.grad) for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])
     return run
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
 
 
 def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
@@ -176,7 +173,7 @@ def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
         for j in range(case.accumulation):
             loss = F.mse_loss(model(inputs[j]), targets[j])
             (loss / case.accumulation).backward()
-        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        run.grads.append([clone(p.grad) for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])

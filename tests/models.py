@@ -106,6 +106,7 @@ class Normed(nn.Module):
 
 
 WIDTH, DEPTH = 16, 4  # Layers' shape
+ONE_BUCKET_MB = 25.0  # a bucket cap over any of these models' gradients: one bucket
 
 
 class Layers(nn.Module):

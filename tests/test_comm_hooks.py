@@ -18,7 +18,7 @@ from ddp import comm_hooks
 from ddp.buckets import assign_buckets
 from ddp.comm_hooks import GradBucket, PowerSGDState
 from tests.adapters import COMM_HOOKS
-from tests.pool import MAX_WORLD, RankError
+from tests.pool import MAX_WORLD, check_no_errors
 
 SMALL_CAP_MB = 512 / 2**20  # 512 B: the float32 layers split over three buckets
 ONE_BUCKET_MB = 25.0  # every float32 gradient in one bucket
@@ -106,10 +106,7 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, where: str) -> Non
 
 
 def run_on_ranks(pool, world_size: int, *args) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    runs = pool.run(world_size, compare_with_torch, *args)
-    errors = [r for r in runs if isinstance(r, RankError)]
-    if errors:
-        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
+    runs = check_no_errors(pool.run(world_size, compare_with_torch, *args))
     # Every rank must leave with the same average, or the replicas drift apart.
     for r, run in enumerate(runs[1:], start=1):
         for (_, got0), (_, got) in zip(runs[0], run, strict=True):
