@@ -199,9 +199,9 @@ def expected_bucket_sizes(
     order: list[nn.Parameter] | None = None,
     first_cap_mb: float | None = None,
 ) -> list[int]:
-    """The bucket layout DESIGN.md specifies, computed independently of ddp.buckets:
-    reverse parameter order (or `order`), per dtype, close a bucket before it would
-    pass the cap (`first_cap_mb` for a dtype's first bucket)."""
+    """The bucket layout the stages promise, computed independently of ddp.buckets:
+    reverse parameter order (or `order`), one dtype per bucket, a bucket closed before
+    it would pass the cap (`first_cap_mb` for a dtype's first bucket)."""
     caps = [(first_cap_mb or bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20]
     trainable = order or [p for p in model.parameters() if p.requires_grad][::-1]
     buckets: list[list[nn.Parameter]] = []

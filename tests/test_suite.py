@@ -1,5 +1,5 @@
 """The one suite: every stage and torch's own DDP, checked on real Gloo groups against
-single-process training (DESIGN.md's six properties), with hypothesis drawing cases."""
+single-process training (replicas, gradients, parameters, collectives); hypothesis draws cases."""
 
 from __future__ import annotations
 
