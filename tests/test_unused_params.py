@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from tests.adapters import build_wrapper, stages_from
 from tests.compare import EXAMPLES, assert_same, grads_of, params_of, run_both
@@ -137,19 +138,31 @@ def check_healthy(world_size: int, after: tuple[float, dict, dict]) -> None:
     assert_same(ours, torchs, "gradient of a step after the error")
 
 
+def raised_then_healthy(
+    rank: int, group: dist.ProcessGroup, stage: str, wrapped: nn.Module, backward
+) -> tuple[str | None, tuple]:
+    """(What `backward()` and finishing the synchronisation raised, None for nothing;
+    healthy_step after it)."""
+    try:
+        backward()
+        wrapped.finish_gradient_synchronization()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return error, healthy_step(rank, group, stage)
+
+
 def used_on_rank_0_only(
     rank: int, group: dist.ProcessGroup, stage: str, bucket_cap_mb: float
 ) -> tuple[str | None, tuple]:
     torch.manual_seed(1000 * rank)
     wrapped = build_wrapper(stage, Branchy(), group, bucket_cap_mb=bucket_cap_mb)
     use = (0, 1, 2) if rank == 0 else (0, 2)  # branch 1 gets no gradient on ranks 1, 2, ...
-    try:
+
+    def backward() -> None:
         wrapped(torch.randn(2, 3), use).sum().backward()
-        wrapped.finish_gradient_synchronization()
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    return error, healthy_step(rank, group, stage)
+
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
@@ -183,18 +196,16 @@ def loss_beside_the_output(
     wrapped = build_wrapper(
         stage, model, group, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True
     )
-    try:
+
+    def backward() -> None:
         # Autograd runs the later-built term first: `term_first` makes extra's gradient
         # arrive last, else first, before any gradient forward's outputs lead to.
         beside = model.extra.weight.sum() if term_first else None
         out = wrapped(torch.randn(2, 3), tuple(range(BRANCHES)))
         beside = model.extra.weight.sum() if beside is None else beside
         (out.sum() + beside).backward()
-        wrapped.finish_gradient_synchronization()
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    return error, healthy_step(rank, group, stage)
+
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
