@@ -1,5 +1,5 @@
-"""What the suite runs: a model family hypothesis can shape, the distributed run of one
-case on the workers, and the single-process reference it is compared with."""
+"""What the suite runs: the distributed run of one case (a net of tests.models) on the
+workers, and the single-process reference it is compared with."""
 
 from __future__ import annotations
 
@@ -12,74 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ddp import comm_hooks
-from ddp.train import keyword_options
-from stages import STAGES
 from tests import pool
-
-WRAPPERS = [*STAGES, "torch_ddp"]  # torch's own DDP is the reference row
-
-
-def stages_from(first: str) -> list[str]:
-    """Every stage that has `first`'s idea: it and all the stages after it."""
-    order = list(STAGES)
-    return order[order.index(first) :]
-
+from tests.adapters import TORCH_DDP, build_wrapper
+from tests.compare import clone
+from tests.models import NetSpec, build_net
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
 TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
-
-
-@dataclass(frozen=True)
-class NetSpec:
-    d_in: int
-    width: int
-    d_out: int
-    order: tuple[int, ...]  # hidden layers in the order forward applies them
-    dtypes: tuple[str, ...] = ()  # per hidden layer
-    frozen: tuple[bool, ...] = ()  # per hidden layer
-    tied: bool = False  # one more layer sharing hidden[0]'s weight
-    transposed: bool = False  # input weight stored transposed: a non-contiguous parameter
-    unused: bool = False  # a trainable layer forward never calls (a bad input)
-
-
-class TransposedLinear(nn.Module):
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_out, d_in).t() / d_in**0.5)  # (d_in, d_out)
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight + self.bias
-
-
-class Net(nn.Module):
-    """Registration order is not the order forward runs the hidden layers in, so the
-    order gradients become ready differs from reverse parameter order."""
-
-    def __init__(self, spec: NetSpec):
-        super().__init__()
-        self.spec = spec
-        linear = TransposedLinear if spec.transposed else nn.Linear
-        self.inp = linear(spec.d_in, spec.width)
-        self.hidden = nn.ModuleList(
-            nn.Linear(spec.width, spec.width, dtype=getattr(torch, dt)) for dt in spec.dtypes
-        )
-        for layer, frozen in zip(self.hidden, spec.frozen, strict=True):
-            layer.requires_grad_(not frozen)
-        if spec.tied:
-            self.twin = nn.Linear(spec.width, spec.width, dtype=self.hidden[0].weight.dtype)
-            self.twin.weight = self.hidden[0].weight
-        if spec.unused:
-            self.unused = nn.Linear(spec.width, spec.width)
-        self.out = nn.Linear(spec.width, spec.d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        layers = [self.hidden[i] for i in self.spec.order] + ([self.twin] if self.spec.tied else [])
-        for layer in layers:
-            h = torch.tanh(layer(h.to(layer.weight.dtype)))
-        return self.out(h.float())
 
 
 @dataclass(frozen=True)
@@ -104,11 +43,6 @@ class RankRun:
     params: list[list[torch.Tensor]] = field(default_factory=list)  # per step, after it
     calls: list[list[list[tuple]]] = field(default_factory=list)  # per step, per micro-batch
     bucket_sizes: list[int] | None = None  # numel of each bucket, in bucket order
-
-
-def build_net(spec: NetSpec, seed: int) -> Net:
-    torch.manual_seed(seed)
-    return Net(spec)
 
 
 def global_batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,34 +106,22 @@ class CollectiveLog:
 
 
 def wrap(case: Case, model: nn.Module, group: dist.ProcessGroup, log: CollectiveLog):
-    if case.wrapper == "torch_ddp":
-        ddp = nn.parallel.DistributedDataParallel(
-            model,
-            process_group=group,
-            bucket_cap_mb=case.bucket_cap_mb,
-            **{k: v for k, v in case.options if k in TORCH_OPTIONS},
-        )
+    """The case's wrapper with the case's options; torch's DDP counts its all-reduces
+    into `log` through a comm hook."""
+    options = dict(case.options)
+    if case.wrapper == TORCH_DDP:
+        options = {k: v for k, v in options.items() if k in TORCH_OPTIONS}
 
         def counting_hook(state, bucket):  # torch's collectives bypass torch.distributed
             log.calls.append(("all_reduce", tuple(bucket.buffer().shape)))
             return default_hooks.allreduce_hook(group, bucket)
 
-        ddp.register_comm_hook(None, counting_hook)
-        return ddp
-    options = dict(case.options)
-    hook = options.pop("comm_hook", None)
-    if "round_robin_groups" in options:  # k - 1 groups the pool made over the same ranks
+        options.update(comm_hook=counting_hook, hook_state=None)
+    elif "round_robin_groups" in options:  # k - 1 groups the pool made over the same ranks
         options["round_robin_groups"] = pool.ROUND_ROBIN[case.world_size][
             : options["round_robin_groups"] - 1
         ]
-    if "bucket_cap_mb" in keyword_options(STAGES[case.wrapper]):  # all but the first stage
-        options["bucket_cap_mb"] = case.bucket_cap_mb
-    wrapped = STAGES[case.wrapper](model, process_group=group, **options)
-    if hook == "allreduce":
-        wrapped.register_comm_hook(group, comm_hooks.allreduce_hook)
-    elif hook == "torch_allreduce":  # torch's own hook takes our GradBucket too
-        wrapped.register_comm_hook(group, default_hooks.allreduce_hook)
-    return wrapped
+    return build_wrapper(case.wrapper, model, group, bucket_cap_mb=case.bucket_cap_mb, **options)
 
 
 def synchronize(wrapped: nn.Module) -> None:
@@ -231,15 +153,11 @@ def run_case(rank: int, group: dist.ProcessGroup, case: Case) -> RankRun:
                     synchronize(wrapped)
             step_calls.append(calls)
         run.calls.append(step_calls)
-        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        run.grads.append([clone(p.grad) for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])
     return run
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
 
 
 def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
@@ -255,7 +173,7 @@ def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
         for j in range(case.accumulation):
             loss = F.mse_loss(model(inputs[j]), targets[j])
             (loss / case.accumulation).backward()
-        run.grads.append([_clone(p.grad) for p in model.parameters()])
+        run.grads.append([clone(p.grad) for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.set_to_none)
         run.params.append([p.detach().clone() for p in model.parameters()])
@@ -281,9 +199,9 @@ def expected_bucket_sizes(
     order: list[nn.Parameter] | None = None,
     first_cap_mb: float | None = None,
 ) -> list[int]:
-    """The bucket layout DESIGN.md specifies, computed independently of ddp.buckets:
-    reverse parameter order (or `order`), per dtype, close a bucket before it would
-    pass the cap (`first_cap_mb` for a dtype's first bucket)."""
+    """The bucket layout the stages promise, computed independently of ddp.buckets:
+    reverse parameter order (or `order`), one dtype per bucket, a bucket closed before
+    it would pass the cap (`first_cap_mb` for a dtype's first bucket)."""
     caps = [(first_cap_mb or bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20]
     trainable = order or [p for p in model.parameters() if p.requires_grad][::-1]
     buckets: list[list[nn.Parameter]] = []

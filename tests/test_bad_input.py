@@ -13,7 +13,8 @@ from torch import nn
 
 from ddp.data import split_batch
 from stages import STAGES
-from tests.cases import Net, NetSpec, build_net, stages_from
+from tests.adapters import build_wrapper, stages_from
+from tests.models import Net, NetSpec, build_net
 from tests.pool import RankError
 
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI
@@ -34,7 +35,7 @@ def wrap_differing_models(rank: int, group: dist.ProcessGroup, stage: str, how: 
         spec = NetSpec(d_in=3, width=4, d_out=2, order=(0,), dtypes=("float64",), frozen=(False,))
     if rank == 1 and how == "count":
         spec = NetSpec(d_in=3, width=4, d_out=2, order=(), dtypes=(), frozen=())
-    STAGES[stage](build_net(spec, seed=rank), process_group=group)
+    build_wrapper(stage, build_net(spec, seed=rank), group)
 
 
 @pytest.mark.parametrize("how", ["shape", "dtype", "count"])
@@ -55,7 +56,7 @@ def test_models_that_differ_across_ranks(pool, stage: str, how: str) -> None:
 
 def step_with_unused_parameter(rank: int, group: dist.ProcessGroup, stage: str) -> None:
     spec = NetSpec(d_in=3, width=4, d_out=2, order=(), unused=True)
-    wrapped = STAGES[stage](build_net(spec, seed=rank), process_group=group)
+    wrapped = build_wrapper(stage, build_net(spec, seed=rank), group)
     loss = F.mse_loss(wrapped(torch.randn(4, 3)), torch.randn(4, 2))
     loss.backward()
     wrapped.finish_gradient_synchronization()
@@ -72,7 +73,7 @@ def test_parameter_without_gradient(pool, stage: str) -> None:
 
 def calls_out_of_order(rank: int, group: dist.ProcessGroup, stage: str, mistake: str) -> None:
     spec = NetSpec(d_in=3, width=4, d_out=2, order=())
-    wrapped = STAGES[stage](build_net(spec, seed=rank), process_group=group)
+    wrapped = build_wrapper(stage, build_net(spec, seed=rank), group)
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     if mistake == "finish before backward":
         wrapped(x)

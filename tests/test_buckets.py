@@ -1,4 +1,6 @@
-"""The bucket layout DESIGN.md specifies, as properties over drawn parameter lists."""
+"""The bucket layout the stages promise (reverse parameter order, at most bucket_cap_mb
+MiB each unless one parameter alone is larger, one dtype per bucket), as properties over
+drawn parameter lists."""
 
 from __future__ import annotations
 

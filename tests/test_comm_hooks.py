@@ -17,24 +17,22 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from ddp import comm_hooks
 from ddp.buckets import assign_buckets
 from ddp.comm_hooks import GradBucket, PowerSGDState
-from tests.pool import MAX_WORLD, RankError
+from tests.adapters import COMM_HOOKS
+from tests.pool import MAX_WORLD, check_no_errors
 
 SMALL_CAP_MB = 512 / 2**20  # 512 B: the float32 layers split over three buckets
 ONE_BUCKET_MB = 25.0  # every float32 gradient in one bucket
 
-# name -> (ours, torch's). Workers look hooks up by name: torch's wrapper is a closure,
-# which pickle cannot send.
+# name -> (ours, torch's): the pairs of COMM_HOOKS and one more. Workers look hooks up by
+# name: torch's wrapper is a closure, which pickle cannot send.
 HOOKS = {
-    "allreduce": (comm_hooks.allreduce_hook, default_hooks.allreduce_hook),
-    "fp16": (comm_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
-    "bf16": (comm_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook),
+    **COMM_HOOKS,
     # torch's wrapper swaps a float16 copy in with set_buffer: this pair checks that our
     # set_buffer replaces the buffer as torch's does (a copy would all-reduce float32).
     "fp16_wrapper": (
         comm_hooks.fp16_compress_hook,
         default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
     ),
-    "powerSGD": (comm_hooks.powerSGD_hook, torch_powersgd.powerSGD_hook),
 }
 
 
@@ -108,10 +106,7 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, where: str) -> Non
 
 
 def run_on_ranks(pool, world_size: int, *args) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    runs = pool.run(world_size, compare_with_torch, *args)
-    errors = [r for r in runs if isinstance(r, RankError)]
-    if errors:
-        raise AssertionError(f"rank {errors[0].rank} raised:\n{errors[0].traceback}")
+    runs = check_no_errors(pool.run(world_size, compare_with_torch, *args))
     # Every rank must leave with the same average, or the replicas drift apart.
     for r, run in enumerate(runs[1:], start=1):
         for (_, got0), (_, got) in zip(runs[0], run, strict=True):

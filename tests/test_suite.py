@@ -13,17 +13,16 @@ from torch import nn
 
 from ddp.train import keyword_options
 from stages import STAGES
+from tests.adapters import WRAPPERS
 from tests.cases import (
     TORCH_OPTIONS,
-    WRAPPERS,
     Case,
-    NetSpec,
-    build_net,
     expected_bucket_sizes,
     ready_order,
     reference_run,
     run_case,
 )
+from tests.models import NetSpec, build_net
 from tests.pool import MAX_WORLD, check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_EXAMPLES", "200"))  # per stage per run

@@ -1,0 +1,101 @@
+"""Uneven inputs under Join against torch's DDP (runs compared as tests.compare
+describes): ranks with fewer batches shadow the others, as under torch's DDP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms import Join
+
+from tests.adapters import build_wrapper, stages_from
+from tests.compare import (
+    EXACT,
+    assert_same,
+    assert_same_steps,
+    buffers_of,
+    grads_of,
+    ours_and_torchs,
+    params_of,
+    run_checked,
+    tolerance,
+)
+from tests.models import ONE_BUCKET_MB, Normed
+
+
+@dataclass(frozen=True)
+class JoinCase:
+    world_size: int
+    broadcast_buffers: bool
+    divide_by_initial_world_size: bool
+    several_buckets: bool
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    manager: str  # "method": `with model.join()`; "Join": `with Join([model])`
+
+
+# Seven two-way options in eight runs: Taguchi's L8 orthogonal array, in which every
+# pair of options meets in all four combinations.
+JOIN_CASES = [
+    JoinCase(2, True, True, False, False, False, "method"),
+    JoinCase(2, True, True, True, True, True, "Join"),
+    JoinCase(2, False, False, False, False, True, "Join"),
+    JoinCase(2, False, False, True, True, False, "method"),
+    JoinCase(3, True, False, False, True, False, "Join"),
+    JoinCase(3, True, False, True, False, True, "method"),
+    JoinCase(3, False, True, False, True, True, "method"),
+    JoinCase(3, False, True, True, False, False, "Join"),
+]
+
+
+def train_uneven(rank: int, group: dist.ProcessGroup, wrapper: str, case: JoinCase) -> tuple:
+    """([(gradients, parameters, buffers)] per own step, (parameters, buffers) at the end).
+    Rank r has 2 + 2r batches: rank 0 leaves first, while its buffers are stale."""
+    torch.manual_seed(1000 * rank + 1)
+    model = Normed()
+    options = {
+        "broadcast_buffers": case.broadcast_buffers,
+        "find_unused_parameters": case.find_unused_parameters,
+        "gradient_as_bucket_view": case.gradient_as_bucket_view,
+    }
+    cap_mb = 1e-9 if case.several_buckets else ONE_BUCKET_MB
+    wrapped = build_wrapper(
+        wrapper, model, group, bucket_cap_mb=cap_mb, first_bucket_as_torch=True, **options
+    )
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(rank)
+    divide = case.divide_by_initial_world_size
+    if case.manager == "method":
+        manager = wrapped.join(divide_by_initial_world_size=divide)
+    else:
+        manager = Join([wrapped], divide_by_initial_world_size=divide)
+    record = []
+    with manager:
+        for _ in range(2 + 2 * rank):
+            x = torch.randn(4, 3, generator=data) * (rank + 1) + rank  # per-rank statistics
+            y = torch.randn(4, 2, generator=data)
+            F.mse_loss(wrapped(x), y).backward()
+            grads = grads_of(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=not case.gradient_as_bucket_view)
+            record.append((grads, params_of(model), buffers_of(model)))
+    return record, (params_of(model), buffers_of(model))
+
+
+@pytest.mark.parametrize("case", JOIN_CASES, ids=[f"case{i}" for i in range(len(JOIN_CASES))])
+@pytest.mark.parametrize("stage", stages_from("join"))
+def test_uneven_inputs_with_join_as_torch(pool, stage: str, case: JoinCase) -> None:
+    runs = run_checked(pool, case.world_size, ours_and_torchs, train_uneven, stage, case)
+    tol = tolerance(case.world_size)
+    finals = []
+    for rank, ((ours, final), (torchs, torch_final)) in enumerate(runs):
+        where = f"rank {rank} of {case}"
+        assert_same_steps(ours, torchs, where, tol)
+        assert_same(final[0], torch_final[0], f"{where}, parameters at the end", tol)
+        assert_same(final[1], torch_final[1], f"{where}, buffers at the end", tol)
+        finals.append(final)
+    for rank, (params, _) in enumerate(finals[1:], start=1):  # Join's closing broadcast
+        assert_same(params, finals[0][0], f"rank {rank}'s final parameters vs rank 0's", EXACT)

@@ -1,0 +1,229 @@
+"""find_unused_parameters against torch's DDP (runs compared as tests.compare describes):
+which branches forward runs changes per step, micro-batch and rank. And the errors: a
+parameter unused on some ranks without the flag, where torch's DDP hangs, and a loss that
+reaches a parameter the output does not, where it raises; the stage raises on every
+rank and leaves the group usable."""
+
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.adapters import build_wrapper, stages_from
+from tests.compare import EXAMPLES, assert_same, grads_of, params_of, run_both
+from tests.models import BRANCHES, Branchy
+from tests.pool import RankError
+
+SECONDS = 20  # a hang fails the test after this long instead of blocking CI
+
+
+@dataclass(frozen=True)
+class Routing:
+    world_size: int
+    # Per step, per micro-batch (all but the last under no_sync), per rank: the
+    # branches forward runs.
+    steps: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
+    bucket_cap_mb: float
+    set_to_none: bool
+    gradient_as_bucket_view: bool
+    seed: int
+
+
+@st.composite
+def routings(draw, stage: str) -> Routing:
+    world_size = draw(st.integers(2, 3))
+    use = st.lists(st.integers(0, BRANCHES - 1), unique=True, max_size=BRANCHES).map(tuple)
+    micro_batch = st.lists(use, min_size=world_size, max_size=world_size).map(tuple)
+    step = st.lists(micro_batch, min_size=1, max_size=2).map(tuple)
+    return Routing(
+        world_size=world_size,
+        steps=draw(st.lists(step, min_size=1, max_size=3).map(tuple)),
+        # MiB; 1e-9 gives every parameter a bucket of its own, 25 puts all in one.
+        bucket_cap_mb=draw(st.sampled_from([1e-9, 2e-4, 25.0])),
+        set_to_none=draw(st.booleans()),
+        gradient_as_bucket_view=stage in stages_from("grad_views") and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def train_routed(rank: int, group: dist.ProcessGroup, wrapper: str, routing: Routing) -> list:
+    """[(gradients before the optimizer step, parameters after it)] per step."""
+    torch.manual_seed(routing.seed * 31 + 1000 * rank + 1)  # ranks differ until broadcast
+    model = Branchy()
+    options = {"find_unused_parameters": True}
+    if routing.gradient_as_bucket_view:
+        options["gradient_as_bucket_view"] = True
+    wrapped = build_wrapper(wrapper, model, group, bucket_cap_mb=routing.bucket_cap_mb, **options)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(routing.seed * 7919 + rank)
+    record = []
+    for micro_batches in routing.steps:
+        for j, uses in enumerate(micro_batches):
+            last = j == len(micro_batches) - 1
+            x, y = torch.randn(2, 3, generator=data), torch.randn(2, 2, generator=data)
+            with nullcontext() if last else wrapped.no_sync():
+                loss = F.mse_loss(wrapped(x, uses[rank]), y) / len(micro_batches)
+                loss.backward()
+        grads = grads_of(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=routing.set_to_none)
+        record.append((grads, params_of(model)))
+    return record
+
+
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_unused_parameters_as_torch(pool, stage: str) -> None:
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        database=None,
+    )
+    @given(routing=routings(stage))
+    # Branch 2 unused everywhere, branch 1 on rank 0 only, and a no_sync micro-batch
+    # that uses branch 0 on rank 1 where the synced one does not.
+    @example(
+        routing=Routing(
+            world_size=2,
+            steps=((((0, 1), (1,)),), (((), (0,)), ((1, 0), ()))),
+            bucket_cap_mb=1e-9,
+            set_to_none=True,
+            gradient_as_bucket_view=False,
+            seed=0,
+        )
+    )
+    def check(routing: Routing) -> None:
+        runs = run_both(pool, routing.world_size, train_routed, stage, routing)
+        for rank, (ours, torchs) in enumerate(runs):
+            for step, ((grads, params), (torch_grads, torch_params)) in enumerate(
+                zip(ours, torchs, strict=True)
+            ):
+                where = f"rank {rank}, step {step} of {routing.steps}"
+                assert_same(grads, torch_grads, f"gradient, {where}")
+                assert_same(params, torch_params, f"parameter after the step, {where}")
+
+    check()
+
+
+def healthy_step(rank: int, group: dist.ProcessGroup, stage: str) -> tuple[float, dict, dict]:
+    """After an error: is the group still usable? A plain all-reduce, and one step of a
+    fresh stage and of torch's DDP whose gradients must agree."""
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total, group=group)
+    grads = []
+    for wrapper in (stage, "torch_ddp"):
+        torch.manual_seed(1000 * rank)
+        model = Branchy()
+        wrapped = build_wrapper(wrapper, model, group)
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+        wrapped(x, tuple(range(BRANCHES))).square().mean().backward()
+        grads.append(grads_of(model))
+    return total.item(), *grads
+
+
+def check_healthy(world_size: int, after: tuple[float, dict, dict]) -> None:
+    total, ours, torchs = after
+    assert total == world_size * (world_size + 1) / 2, (
+        f"an all-reduce after the error summed to {total}: a collective was left half-done"
+    )
+    assert_same(ours, torchs, "gradient of a step after the error")
+
+
+def raised_then_healthy(
+    rank: int, group: dist.ProcessGroup, stage: str, wrapped: nn.Module, backward
+) -> tuple[str | None, tuple]:
+    """(What `backward()` and finishing the synchronisation raised, None for nothing;
+    healthy_step after it)."""
+    try:
+        backward()
+        wrapped.finish_gradient_synchronization()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return error, healthy_step(rank, group, stage)
+
+
+def used_on_rank_0_only(
+    rank: int, group: dist.ProcessGroup, stage: str, bucket_cap_mb: float
+) -> tuple[str | None, tuple]:
+    torch.manual_seed(1000 * rank)
+    wrapped = build_wrapper(stage, Branchy(), group, bucket_cap_mb=bucket_cap_mb)
+    use = (0, 1, 2) if rank == 0 else (0, 2)  # branch 1 gets no gradient on ranks 1, 2, ...
+
+    def backward() -> None:
+        wrapped(torch.randn(2, 3), use).sum().backward()
+
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_parameter_unused_on_some_ranks_without_the_flag(
+    pool, stage: str, world_size: int, bucket_cap_mb: float
+) -> None:
+    """torch's DDP hangs here (the ranks that used branch 1 wait for a bucket the others
+    never send); the stage raises on every rank, naming the parameter and the ranks."""
+    runs = pool.run(world_size, used_on_rank_0_only, stage, bucket_cap_mb, timeout_s=SECONDS)
+    for rank, run in enumerate(runs):
+        assert not isinstance(run, RankError), run.traceback
+        error, after = run
+        assert error is not None, f"rank {rank} did not raise"
+        for lacking in range(1, world_size):
+            assert re.search(rf"rank {lacking}: \[[^\]]*'branches\.1\.weight'", error), error
+            assert re.search(rf"rank {lacking}: \[[^\]]*'branches\.1\.bias'", error), error
+        assert "rank 0:" not in error, f"rank 0 had every gradient: {error}"
+        assert "branches.0" not in error and "branches.2" not in error, (
+            f"branches 0 and 2 were used everywhere: {error}"
+        )
+        check_healthy(world_size, after)
+
+
+def loss_beside_the_output(
+    rank: int, group: dist.ProcessGroup, stage: str, term_first: bool, bucket_cap_mb: float
+) -> tuple[str | None, tuple]:
+    torch.manual_seed(1000 * rank)
+    model = Branchy(extra=True)
+    wrapped = build_wrapper(
+        stage, model, group, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True
+    )
+
+    def backward() -> None:
+        # Autograd runs the later-built term first: `term_first` makes extra's gradient
+        # arrive last, else first, before any gradient forward's outputs lead to.
+        beside = model.extra.weight.sum() if term_first else None
+        out = wrapped(torch.randn(2, 3), tuple(range(BRANCHES)))
+        beside = model.extra.weight.sum() if beside is None else beside
+        (out.sum() + beside).backward()
+
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
+@pytest.mark.parametrize("term_first", [True, False], ids=["extra-last", "extra-first"])
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_loss_reaches_a_parameter_the_output_does_not(
+    pool, stage: str, term_first: bool, bucket_cap_mb: float
+) -> None:
+    """With find_unused_parameters=True, forward's outputs decide what is unused; a loss
+    that reaches a parameter some other way breaks that (torch's DDP raises "Expected
+    to mark a variable ready only once"). The stage must raise on every rank."""
+    runs = pool.run(2, loss_beside_the_output, stage, term_first, bucket_cap_mb, timeout_s=SECONDS)
+    for rank, run in enumerate(runs):
+        assert not isinstance(run, RankError), run.traceback
+        error, after = run
+        assert error is not None, (
+            f"rank {rank} finished backward without an error, where torch's DDP raises "
+            "'Expected to mark a variable ready only once'"
+        )
+        assert "'extra.weight'" in error, error
+        check_healthy(2, after)
