@@ -1,5 +1,6 @@
-"""Running one command per node at once: started in sessions of their own, waited
-for, and stopped (torchrun and its workers) on failure, timeout or a signal."""
+"""Running one command per node at once: each started out of reach of the terminal's
+Ctrl-C, waited for, and stopped (torchrun and its workers) on failure, timeout or a
+signal."""
 
 from __future__ import annotations
 
