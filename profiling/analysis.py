@@ -19,7 +19,7 @@ What a trace holds (torch 2.13, Gloo on CPU; see docs/profiling.md):
   the tensor's shape and dtype in its args. torch's DDP's collectives appear the same way.
 - GPU traces instead carry kernels (`cat: kernel`); NCCL's have "nccl" in their names.
 
-Definitions, per traced step of one rank (DESIGN.md's, made exact):
+Definitions, per traced step of one rank:
 
 - step time: the `ProfilerStep#N` span, from one `profiler.step()` to the next. It holds
   the whole loop iteration (making the batch, logging scalars too), not just the timed
@@ -40,9 +40,9 @@ Definitions, per traced step of one rank (DESIGN.md's, made exact):
   which this rank was computing.
 - communication not hidden: communication - hidden. With compute and the rest (other), it
   splits the step exactly: step = (compute - hidden) + hidden + not hidden + other.
-- exposed communication (DESIGN.md): step time minus the `compute_only` run's step time,
-  same rank. It includes what the trace does not call communication (bucket copies,
-  launch overhead, waiting for the slower rank, a shared CPU) and is noisy: two medians.
+- exposed communication: step time minus the `compute_only` run's step time, same rank.
+  It includes what the trace does not call communication (bucket copies, launch
+  overhead, waiting for the slower rank, a shared CPU) and is noisy: two medians.
 - overlap: hidden / communication.
 - collectives per step: collective events (Gloo events or NCCL kernels) that start in the
   step; bytes per step: their payload (tensor bytes, from the shapes and dtypes Gloo

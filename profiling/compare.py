@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
-import os
 import platform
 import re
 import shlex
@@ -38,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from profiling import report
 from profiling.analysis import (
     COMPUTE_ONLY,
     RankResult,
@@ -139,7 +138,7 @@ def run_main_job(
     done = subprocess.run(command)
     if done.returncode != 0:
         raise SystemExit(f"the main job failed (exit code {done.returncode})")
-    (logdir / COMMAND_FILE).write_text(shlex.join(["python", *command[1:]]) + "\n")
+    (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
     return command
 
 
@@ -147,18 +146,24 @@ def describe(logdir: Path, results: list[RankResult], command: list[str] | None)
     ranks = sorted({r.rank for r in results})
     traced = sorted({len(r.steps) for r in results})
     if command:
-        ran = shlex.join(["python", *command[1:]])
+        ran = typed(command)
     elif (logdir / COMMAND_FILE).is_file():
         ran = (logdir / COMMAND_FILE).read_text().strip() + f"  (re-analysed {logdir})"
     else:
         ran = f"(traces in {logdir}, command unknown)"
+    m = report.machine()
     return (
-        f"{ran}\n{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}\n"
+        f"{ran}\n{platform.node()}: {platform.machine()}, {m['cores']} CPUs, "
+        f"Python {m['python']}\n"
         f"{len(ranks)} ranks, {'/'.join(map(str, traced))} traced steps per run; each "
         "row: mean over ranks of each rank's median traced step. exposed = step - "
         f"{COMPUTE_ONLY} step (same rank); overlap = hidden / comm."
     )
+
+
+def typed(command: list[str]) -> str:
+    """`[sys.executable, "-m", module, *args]` as one would type it."""
+    return report.command_line(command[2], command[3:])
 
 
 def _cell(row: RunSummary, fieldname: str, fmt: str) -> str:
@@ -182,12 +187,10 @@ def format_table(rows: list[RunSummary]) -> str:
 
 
 def markdown_table(rows: list[RunSummary]) -> str:
-    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |"]
-    lines.append("|---|" + "---:|" * len(COLUMNS))
-    for row in rows:
-        cells = " | ".join(_cell(row, f, fmt) for _, f, fmt in COLUMNS)
-        lines.append(f"| {row.run} | {cells} |")
-    return "\n".join(lines)
+    return report.markdown_table(
+        ["run", *(h for h, _, _ in COLUMNS)],
+        [[row.run, *(_cell(row, f, fmt) for _, f, fmt in COLUMNS)] for row in rows],
+    )
 
 
 def _step_dict(step) -> dict:
@@ -215,7 +218,7 @@ def write_json(path: Path, rows, results, heading: str, command) -> None:
             for r in results
         ],
     }
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    report.write_json(path, data)
 
 
 def write_csv(path: Path, rows: list[RunSummary], results: list[RankResult]) -> None:

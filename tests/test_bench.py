@@ -9,8 +9,10 @@ import json
 import pytest
 
 from ddp.config import Config
-from profiling import bench
-from profiling.bench import COMM, FLOOR, REFERENCE
+from profiling.bench import output
+from profiling.bench.options import COMM, FLOOR, REFERENCE, sweep_configs
+from profiling.bench.plot import plot
+from profiling.bench.records import perfect_overlap_bound, variant_entry
 
 
 def result(name: str, times: list[float], rounds: list[int], **extra) -> dict:
@@ -37,7 +39,7 @@ def floor(c=(0.40, 0.42, 0.44, 0.46), f=(0.10,) * 4, o=(0.05,) * 4) -> dict:
 
 def test_bound_is_communication_plus_what_cannot_overlap_it():
     comm = result(COMM, [0.80, 0.82, 0.84, 0.86], ROUNDS)
-    bound = bench.perfect_overlap_bound(floor(), comm)
+    bound = perfect_overlap_bound(floor(), comm)
     # medians: C 0.43, F 0.10, A 0.83, O 0.05 -> max(0.43, 0.98)
     assert bound["bound_ms"] == pytest.approx(980.0)
     assert bound["bound_by"] == "communication"
@@ -49,16 +51,16 @@ def test_bound_is_communication_plus_what_cannot_overlap_it():
 
 def test_bound_is_compute_when_communication_is_cheap():
     comm = result(COMM, [0.01] * 4, ROUNDS)
-    bound = bench.perfect_overlap_bound(floor(), comm)
+    bound = perfect_overlap_bound(floor(), comm)
     assert bound["bound_ms"] == pytest.approx(430.0)
     assert bound["bound_by"] == "compute"
 
 
 def test_no_bound_without_both_parts():
-    assert bench.perfect_overlap_bound(None, result(COMM, [0.1], [0])) is None
-    assert bench.perfect_overlap_bound(floor(), None) is None
+    assert perfect_overlap_bound(None, result(COMM, [0.1], [0])) is None
+    assert perfect_overlap_bound(floor(), None) is None
     # A compute_only without its parts (an older record) has none either.
-    assert bench.perfect_overlap_bound(result(FLOOR, [0.1], [0]), result(COMM, [0.1], [0])) is None
+    assert perfect_overlap_bound(result(FLOOR, [0.1], [0]), result(COMM, [0.1], [0])) is None
 
 
 def test_ratios_to_bound_and_reference_overall_and_per_round():
@@ -66,8 +68,8 @@ def test_ratios_to_bound_and_reference_overall_and_per_round():
     stage = result("overlapped", [1.10, 1.12, 1.00, 1.04], ROUNDS)
     ddp = result(REFERENCE, [1.00, 1.00, 1.00, 1.00], ROUNDS)
     by_name = {r["name"]: r for r in (floor(), comm, stage, ddp)}
-    bound = bench.perfect_overlap_bound(by_name[FLOOR], comm)
-    entry = bench.variant_entry(stage, by_name, bound)
+    bound = perfect_overlap_bound(by_name[FLOOR], comm)
+    entry = variant_entry(stage, by_name, bound)
     assert entry["median_ms"] == pytest.approx(1070.0)
     assert entry["vs_bound"] == pytest.approx(1070.0 / 980.0)
     assert entry["vs_torch_ddp"] == pytest.approx(1.07)
@@ -78,12 +80,12 @@ def test_ratios_to_bound_and_reference_overall_and_per_round():
     assert paired["min"] == pytest.approx(1.02) and paired["max"] == pytest.approx(1.11 / 0.96)
     assert entry["round_vs_torch_ddp"]["max"] == pytest.approx(1.11)
     # Communication alone exposes nothing: it has no compute.
-    assert bench.variant_entry(comm, by_name, bound)["exposed_comm_ms"] is None
+    assert variant_entry(comm, by_name, bound)["exposed_comm_ms"] is None
 
 
 def test_per_micro_batch_time_divides_by_the_micro_batches():
     stage = result("skip_sync", [2.0, 2.4], [0, 0], accumulation_steps=4)
-    entry = bench.variant_entry(stage, {"skip_sync": stage}, None)
+    entry = variant_entry(stage, {"skip_sync": stage}, None)
     assert entry["per_micro_batch_ms"] == pytest.approx(550.0)
     assert entry["vs_bound"] is None and entry["round_vs_torch_ddp"] is None
 
@@ -97,7 +99,7 @@ def test_per_micro_batch_time_divides_by_the_micro_batches():
     ],
 )
 def test_sweep_makes_one_config_per_value(text, field, values):
-    name, configs = bench.sweep_configs(Config(), text)
+    name, configs = sweep_configs(Config(), text)
     assert name == field
     assert [v for v, _ in configs] == values
     assert [getattr(c, field) for _, c in configs] == values
@@ -106,7 +108,7 @@ def test_sweep_makes_one_config_per_value(text, field, values):
 
 def test_no_sweep_is_one_config():
     cfg = Config()
-    assert bench.sweep_configs(cfg, "") == ("", [(None, cfg)])
+    assert sweep_configs(cfg, "") == ("", [(None, cfg)])
 
 
 @pytest.mark.parametrize(
@@ -115,20 +117,20 @@ def test_no_sweep_is_one_config():
 )  # fmt: skip
 def test_bad_sweeps_say_what_is_wrong(text):
     with pytest.raises(ValueError):
-        bench.sweep_configs(Config(), text)
+        sweep_configs(Config(), text)
 
 
 def record_for_sweep() -> dict:
     """A bucket-cap sweep as make_record lays it out: compute_only ran once (shared)."""
-    shared = bench.variant_entry(floor(), {FLOOR: floor()}, None)
+    shared = variant_entry(floor(), {FLOOR: floor()}, None)
     variants, bounds = [shared], []
     for cap, comm_s, stage_s in ((1.0, 0.83, 1.07), (1e6, 0.80, 1.40)):
         comm = {**result(COMM, [comm_s] * 4, ROUNDS), "sweep_value": cap}
         stage = {**result("overlapped", [stage_s] * 4, ROUNDS), "sweep_value": cap}
         by_name = {FLOOR: floor(), COMM: comm, "overlapped": stage}
-        bound = bench.perfect_overlap_bound(floor(), comm)
+        bound = perfect_overlap_bound(floor(), comm)
         bounds.append({"sweep_value": cap, "accumulation_steps": 1, **bound})
-        variants += [bench.variant_entry(r, by_name, bound) for r in (comm, stage)]
+        variants += [variant_entry(r, by_name, bound) for r in (comm, stage)]
     return {
         "workload": "mlp-sweep",
         "command": "python -m profiling.bench --sweep bucket_cap_mb=1,1e6",
@@ -151,7 +153,7 @@ def record_for_sweep() -> dict:
 
 
 def test_sweep_summary_has_a_row_per_value_with_the_shared_floor_in_each():
-    header, body = bench.sweep_summary(record_for_sweep())
+    header, body = output.sweep_summary(record_for_sweep())
     assert header[0] == "bucket_cap_mb" and header[-1] == "overlapped ms (vs bound)"
     assert [row[0] for row in body] == ["1", "1e+06"]
     assert [row[1] for row in body] == ["430.0", "430.0"]  # compute_only, run once
@@ -161,15 +163,15 @@ def test_sweep_summary_has_a_row_per_value_with_the_shared_floor_in_each():
 
 def test_tables_show_the_bound_and_the_shared_variant_for_every_value(capsys):
     record = record_for_sweep()
-    columns = bench.columns(record)
+    columns = output.columns(record)
     assert "vs bound" in columns and columns[0] == "bucket_cap_mb"
-    table = bench.rows(record)
+    table = output.rows(record)
     assert table[0][:2] == ["all", FLOOR]
     assert all(len(row) == len(columns) for row in table)
-    text = bench.markdown([record])
+    text = output.markdown([record])
     assert "perfect-overlap bound = max(compute_only 430.0, forward 100.0" in text
     assert "= 980.0 ms (communication-bound)" in text
-    bench.print_table(record)
+    output.print_table(record)
     assert "1070.0 (1.09x)" in capsys.readouterr().out
 
 
@@ -179,8 +181,8 @@ def test_records_without_a_bound_still_render():
     del record["bounds"], record["settings"]["sweep"]
     for v in record["variants"]:
         v.pop("vs_bound"), v.pop("round_vs_bound")
-    assert "vs bound" not in bench.columns(record)
-    assert "| variant |" in bench.markdown([record])
+    assert "vs bound" not in output.columns(record)
+    assert "| variant |" in output.markdown([record])
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -191,5 +193,5 @@ def test_plot_writes_a_png(tmp_path):
     plain["variants"] = [v for v in plain["variants"] if v["sweep_value"] in (None, 1.0)]
     plain["bounds"] = plain["bounds"][:1]
     path = tmp_path / "bench.png"
-    bench.plot([record, plain], str(path))
+    plot([record, plain], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,8 +8,10 @@ import subprocess
 
 import pytest
 
-from profiling import cluster as vc
-from profiling.cluster import VirtualCluster, expected_allreduce_MBps
+from profiling.cluster import network as vc
+from profiling.cluster.cli import main
+from profiling.cluster.probe import expected_allreduce_MBps
+from profiling.cluster.virtual_cluster import VirtualCluster
 
 AVAILABLE, WHY_NOT = vc.available()
 needs_cluster = pytest.mark.skipif(not AVAILABLE, reason=f"no shaped cluster: {WHY_NOT}")
@@ -65,7 +67,7 @@ def test_stage_trains_across_the_shaped_link(cluster: VirtualCluster) -> None:
 def test_allreduce_runs_at_the_shaped_rate(cluster: VirtualCluster) -> None:
     """MB/s = tensor bytes / time per all-reduce. A 2-rank ring sends and receives the
     tensor's size per rank (2(N-1)/N of it), each way at the link's rate, so the figure
-    expected is the rate itself: 1 Gbit/s = 125 MB/s (ENVIRONMENT.md measured 118-126,
+    expected is the rate itself: 1 Gbit/s = 125 MB/s (measured on this machine: 118-126,
     TCP/IP headers taking about 4%)."""
     result = cluster.probe(megabytes=25, iterations=4)
     expected = expected_allreduce_MBps(10**9, 2)
@@ -101,14 +103,14 @@ def test_without_root_it_says_so_and_fails(monkeypatch, capsys) -> None:
     monkeypatch.setattr(vc.os, "geteuid", lambda: 1000)
     ok, why = vc.available()
     assert not ok and "root" in why
-    assert vc.main(["up", "--ranks", "2", "--rate", "1gbit"]) != 0
+    assert main(["up", "--ranks", "2", "--rate", "1gbit"]) != 0
     assert "needs root" in capsys.readouterr().err
 
 
 def test_rates_read_as_tc_reads_bit_units() -> None:
     assert vc.parse_rate("1gbit") == 10**9
     assert vc.parse_rate("500mbit") == 5 * 10**8
-    assert vc.tbf_burst_bytes(10**9) == 256 * 2**10  # ENVIRONMENT.md's 1gbit setting
+    assert vc.tbf_burst_bytes(10**9) == 256 * 2**10  # the 1gbit setting measured here
     assert vc.tbf_burst_bytes(4 * 10**9) == 2**20  # and its 4gbit one
     with pytest.raises(ValueError, match="1gbit"):
         vc.parse_rate("125mbps")  # tc would read bytes per second: refused

@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddp.datasets import Split, classification_data, epoch_batches, worker_samplers
-from ddp.lr import large_batch_schedule, linear_scaled_lr
-from ddp.param_groups import no_decay_param_groups
-from profiling.large_batch import BatchNormMLP, Settings, train_run
+from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
+from profiling.large_batch.experiment import BatchNormMLP, train_run
+from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
+from profiling.large_batch.param_groups import no_decay_param_groups
+from profiling.large_batch.settings import Settings
 from tests.pool import RankError
 
 # ---------------------------------------------------------------- learning-rate rules

@@ -1,0 +1,41 @@
+"""A shaped network on one machine: N network namespaces, one per node, joined by a
+bridge whose every link is limited to a fixed rate, so Gloo's all-reduce waits on a wire
+as it does between real machines instead of copying through loopback memory.
+
+    python -m profiling.cluster up --ranks 2 --rate 1gbit
+    python -m profiling.cluster run -- -m stages.overlapped --model mlp
+    python -m profiling.cluster probe          # all-reduce bandwidth across the link
+    python -m profiling.cluster down
+
+`run` starts one torchrun node per namespace (`--nnodes N --node-rank k
+--nproc-per-node 1`), everything after `--` being torchrun's script and its arguments,
+waits for all, and exits nonzero if any failed. From Python, and in tests:
+
+    with VirtualCluster(ranks=2, rate="1gbit") as cluster:
+        cluster.run(["-m", "stages.bucketed", "--steps", "3"])
+
+Topology. Nothing is created in the host's namespace and no host interface is touched:
+
+    ddps-<id>-r0          ddps-<id>-br                ddps-<id>-r1
+    [ddp0 10.250.0.1] ==== [r0]--br0--[r1] ==== [ddp0 10.250.0.2]
+       tbf (egress)       tbf (egress)  tbf (egress)     tbf (egress)
+
+Each veth pair is created inside the namespaces (`ip -n NS link add ... peer ... netns
+BR`), and both of its ends get `tbf rate RATE`: each direction of each link is shaped,
+so every rank sends and receives at RATE at most, full duplex, as on a switch.
+
+What it cannot do: add latency, which takes the netem qdisc, missing from the kernel
+this was developed on; the round-trip stays at microseconds, and only bandwidth is
+real. The nodes also still share this machine's CPU cores; `run` gives each rank
+cores // ranks threads.
+
+Namespaces outlive the processes that made them. `up` records what it creates in a
+state file under /run/ddp-stages-cluster (next to /run/netns, so both vanish on reboot)
+before creating it, and `down` removes exactly the namespaces recorded there. Removing
+a namespace removes its veth ends, bridge and qdiscs with it.
+
+The package: `network` (rates, what this machine can do, the namespaces and shaped links
+set up and torn down), `virtual_cluster` (`VirtualCluster`), `nodes` (one torchrun per
+namespace, started, waited for and stopped), `signals`, `probe` (the bandwidth probe)
+and `cli` (the command line).
+"""

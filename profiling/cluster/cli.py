@@ -1,0 +1,132 @@
+"""The command line: up, run, probe, down, status (and probe-worker, which `probe` runs
+on every node)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import profiling.cluster
+from profiling.cluster.network import (
+    LATENCY,
+    _namespaces,
+    _pid_alive,
+    available,
+    parse_rate,
+    recorded_clusters,
+    remove,
+)
+from profiling.cluster.probe import probe_worker
+from profiling.cluster.virtual_cluster import VirtualCluster
+
+
+def _cli_cluster(cid: str | None) -> VirtualCluster:
+    """The cluster a CLI command acts on: --id, else the one `up` made."""
+    clusters = recorded_clusters()
+    if cid is not None:
+        chosen = [c for c in clusters if c.id == cid]
+        if not chosen:
+            status = "python -m profiling.cluster status"
+            raise SystemExit(f"no cluster with id {cid!r}; see `{status}`")
+        return VirtualCluster.attach(chosen[0])
+    mine = [c for c in clusters if c.owner_pid is None]
+    if not mine:
+        raise SystemExit("no cluster is up: run `python -m profiling.cluster up` first")
+    if len(mine) > 1:
+        ids = ", ".join(c.id for c in mine)
+        raise SystemExit(f"several clusters are up ({ids}): pick one with --id")
+    return VirtualCluster.attach(mine[0])
+
+
+def _rate_arg(text: str) -> str:
+    try:
+        parse_rate(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything after `--` is torchrun's, untouched by our parser.
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m profiling.cluster", description=profiling.cluster.__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="create the namespaces, bridge and shaped links")
+    p.add_argument("--ranks", type=int, default=2, help="nodes (one rank each)")
+    p.add_argument("--rate", default="1gbit", type=_rate_arg, help="each link's rate, each way")
+    p = sub.add_parser("run", help="one torchrun node per namespace: run ... -- <torchrun args>")
+    p.add_argument("--id", help="which cluster (default: the one `up` made)")
+    p.add_argument("--timeout", type=float, help="seconds before every node is killed")
+    p = sub.add_parser("probe", help="measure Gloo all-reduce bandwidth across the links")
+    p.add_argument("--id", help="which cluster (default: the one `up` made)")
+    p.add_argument("--megabytes", type=float, default=25.0, help="tensor size, MB")
+    p.add_argument("--iterations", type=int, default=5, help="timed all-reduces")
+    p = sub.add_parser("down", help="remove what `up` created")
+    p.add_argument("--id", help="which cluster (default: the one `up` made)")
+    p.add_argument(
+        "--stale",
+        action="store_true",
+        help="instead: remove clusters whose owning process is gone (killed with -9)",
+    )
+    sub.add_parser("status", help="list the clusters recorded, and whether they are there")
+    p = sub.add_parser("probe-worker", help="(internal) what `probe` runs under torchrun")
+    p.add_argument("--megabytes", type=float, default=25.0)
+    p.add_argument("--iterations", type=int, default=5)
+    args = parser.parse_args(argv)
+    if rest and args.command != "run":
+        parser.error("`--` and torchrun arguments go with `run` only")
+
+    if args.command == "probe-worker":
+        probe_worker(args.megabytes, args.iterations)
+        return 0
+    if args.command == "status":
+        present = _namespaces() if available()[0] else set()
+        for c in recorded_clusters():
+            there = sum(ns in present for ns in c.all_namespaces)
+            owner = "until `down`" if c.owner_pid is None else f"owner pid {c.owner_pid}"
+            print(f"{c.id}: {c.ranks} ranks at {c.rate}, {owner}, "
+                  f"{there}/{len(c.all_namespaces)} namespaces present")  # fmt: skip
+        return 0
+    ok, why = available()
+    if not ok:
+        print(f"profiling.cluster: {why}", file=sys.stderr)
+        return 2
+    if args.command == "up":
+        cluster = VirtualCluster(args.ranks, args.rate, persistent=True)
+        s = cluster.up()
+        print(f"cluster {s.id}: {s.ranks} nodes at {s.rate} each way "
+              f"(tbf burst {s.burst_bytes} bytes, latency {LATENCY})")  # fmt: skip
+        for ns, address in zip(s.namespaces, s.addresses, strict=True):
+            print(f"  {ns}  {s.ifname} {address}")
+        print("next: python -m profiling.cluster run -- -m stages.bucketed --model mlp")
+        return 0
+    if args.command == "down":
+        if args.stale:
+            for c in recorded_clusters():
+                if c.owner_pid is not None and not _pid_alive(c.owner_pid):
+                    print(f"removed {', '.join(remove(c)) or 'nothing left'} ({c.id})")
+            return 0
+        state = _cli_cluster(args.id).state
+        print(f"removed {', '.join(remove(state)) or 'nothing left'} ({state.id})")
+        return 0
+    cluster = _cli_cluster(args.id)
+    if args.command == "run":
+        if not rest:
+            parser.error("give torchrun's arguments after --, e.g. run -- -m stages.naive")
+        return cluster.run(rest, timeout=args.timeout).returncode
+    if args.command == "probe":
+        r = cluster.probe(args.megabytes, args.iterations)
+        print(
+            f"Gloo all-reduce of {r['bytes'] / 1e6:g} MB over {r['ranks']} ranks at {r['rate']}: "
+            f"{r['MBps']:.1f} MB/s median ({r['MBps_min']:.1f}-{r['MBps_max']:.1f}) of tensor "
+            f"bytes per second; expected about {r['expected_MBps']:.1f} "
+            f"(rate/8 x N/(2(N-1))); {r['bus_MBps']:.1f} MB/s sent per rank"
+        )
+        return 0
+    raise AssertionError(args.command)

@@ -1,0 +1,225 @@
+"""One training run per (k, learning-rate rule, seed): k workers of n samples, each a
+micro-batch of gradient accumulation, on one process or split over torchrun's ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
+from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
+from profiling.large_batch.param_groups import no_decay_param_groups
+from profiling.large_batch.settings import Settings
+
+
+class BatchNormMLP(nn.Module):
+    """Two hidden layers, each Linear (no bias: BatchNorm's shift replaces it),
+    BatchNorm1d, ReLU; then a linear classifier."""
+
+    def __init__(self, features: int = 32, width: int = 256, classes: int = 10):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(features, width, bias=False),
+            nn.BatchNorm1d(width),
+            nn.ReLU(),
+            nn.Linear(width, width, bias=False),
+            nn.BatchNorm1d(width),
+            nn.ReLU(),
+            nn.Linear(width, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, features)
+        return self.layers(x)
+
+
+@dataclass
+class Run:
+    workers: int  # k
+    variant: str
+    seed: int
+    global_batch: int  # k*n
+    lr: float  # the rate after warmup (scaled, except for `unscaled`)
+    iters_per_epoch: int
+    train_error: list[float] = field(default_factory=list)  # per epoch, over its minibatches
+    train_loss: list[float] = field(default_factory=list)  # per epoch
+    val_error: list[float] = field(default_factory=list)  # per epoch, after it
+    diverged: bool = False  # the loss went to inf/nan; the run stopped there
+    params: list[torch.Tensor] | None = None  # final parameters, with keep_params only
+
+    @property
+    def final_val_error(self) -> float:
+        return self.val_error[-1]
+
+
+# --8<-- [start:setup]
+def build(s: Settings, data: Split, workers: int, variant: str, seed: int):
+    """Model, optimizer and per-iteration scheduler for one run of k = `workers`."""
+    features = data.train.tensors[0].shape[1]
+    classes = int(data.train.tensors[1].max()) + 1
+    torch.manual_seed(seed)
+    model = BatchNormMLP(features, s.width, classes)
+    n = s.per_worker_batch
+    iters = (len(data.train) // workers) // n  # each worker's share, in steps of n
+    scaled = linear_scaled_lr(s.base_lr, workers, n, s.reference_batch)
+    lr = s.base_lr if variant == "unscaled" else scaled
+    optimizer = torch.optim.SGD(
+        no_decay_param_groups(model, s.weight_decay), lr=lr, momentum=s.momentum
+    )
+    warmup = {"unscaled": "none", "no_warmup": "none"}.get(variant, variant)
+    scheduler = large_batch_schedule(
+        optimizer,
+        base_lr=min(s.base_lr, lr),
+        total_iters=s.epochs * iters,
+        warmup=warmup,
+        warmup_iters=round(s.warmup_epochs * iters),
+        decay=s.decay,
+        milestones=[round(e * iters) for e in s.decay_epoch_list],
+        gamma=s.gamma,
+    )
+    return model, optimizer, scheduler, lr, iters
+
+
+# --8<-- [end:setup]
+
+
+def train_run(
+    s: Settings,
+    data: Split,
+    workers: int,
+    variant: str,
+    seed: int,
+    process_group: dist.ProcessGroup | None = None,
+    keep_params: bool = False,
+) -> Run:
+    """Train one run. Under a process group (the default one, or `process_group`), this
+    rank simulates k/W of the k workers. `keep_params` puts the final parameters in
+    the result (for the tests)."""
+    distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
+    rank, world = (
+        (dist.get_rank(process_group), dist.get_world_size(process_group))
+        if distributed
+        else (0, 1)
+    )
+    if workers % world:
+        raise ValueError(f"{workers} workers do not split over {world} ranks; pick multiples")
+    local = workers // world  # workers this process simulates, one micro-batch each
+    model, optimizer, scheduler, lr, iters = build(s, data, workers, variant, seed)
+    wrapped = model
+    if distributed:
+        from stages import STAGES
+
+        wrapped = STAGES["skip_sync"](
+            model, process_group=process_group
+        )  # also broadcasts rank 0's initial weights
+    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+    samplers = worker_samplers(len(data.train), workers, rank * local, local, seed)
+    x, y = data.train.tensors
+    n = s.per_worker_batch
+    run = Run(workers, variant, seed, workers * n, lr, iters)
+    for epoch in range(s.epochs):
+        model.train()
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wrong, samples
+        # --8<-- [start:step]
+        for minibatches in epoch_batches(samplers, epoch, n):  # one index tensor per worker
+            for j, idx in enumerate(minibatches):
+                skip = j < local - 1 and hasattr(wrapped, "no_sync")
+                with wrapped.no_sync() if skip else nullcontext():
+                    logits = wrapped(x[idx])  # BatchNorm statistics over this worker's n
+                    loss = F.cross_entropy(logits, y[idx], reduction="sum")
+                    (loss / (local * n)).backward()  # averaged over W ranks: sum / (k*n)
+                totals += torch.tensor(
+                    [loss.item(), (logits.argmax(1) != y[idx]).sum().item(), n],
+                    dtype=torch.float64,
+                )
+            finish()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()  # once per iteration: warmup rises by a constant each step
+        # --8<-- [end:step]
+        if distributed:
+            dist.all_reduce(totals, group=process_group)
+        run.train_loss.append(totals[0].item() / totals[2].item())
+        run.train_error.append(totals[1].item() / totals[2].item())
+        run.val_error.append(evaluate(model, data))
+        if not math.isfinite(run.train_loss[-1]):
+            run.diverged = True
+            break
+    if keep_params:
+        run.params = [p.detach().clone() for p in model.parameters()]
+    return run
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Split) -> float:
+    """Top-1 validation error, BatchNorm in eval mode (this rank's running statistics)."""
+    model.eval()
+    x, y = data.val.tensors
+    logits = model(x)
+    if not torch.isfinite(logits).all():
+        return 1.0  # a diverged model: count every sample wrong
+    return (logits.argmax(1) != y).float().mean().item()
+
+
+def plan(s: Settings) -> list[tuple[int, str, int]]:
+    """(k, variant, seed) for every run. Where k*n is the reference batch the four rules
+    are one and the same (no scaling, so nothing to warm up): train it once."""
+    jobs = []
+    for seed in range(s.seeds):
+        for k in s.worker_list:
+            same = k * s.per_worker_batch == s.reference_batch
+            for variant in s.variant_list[:1] if same else s.variant_list:
+                jobs.append((k, variant, seed))
+    return jobs
+
+
+def _one(args: tuple[Settings, int, str, int]) -> Run:
+    s, k, variant, seed = args
+    return train_run(s, _data(s), k, variant, seed)
+
+
+_cached: dict[tuple, Split] = {}
+
+
+def _data(s: Settings) -> Split:
+    key = (s.train_samples, s.val_samples, s.data_seed)
+    if key not in _cached:
+        _cached[key] = classification_data(s.train_samples, s.val_samples, seed=s.data_seed)
+    return _cached[key]
+
+
+def run_all(s: Settings) -> list[Run]:
+    jobs = plan(s)
+    distributed = dist.is_available() and dist.is_initialized()
+    if s.jobs > 1 and not distributed:
+        import multiprocessing as mp
+
+        # One thread per job: each micro-batch is too small to gain from intra-op threads.
+        with mp.get_context("spawn").Pool(
+            s.jobs, initializer=torch.set_num_threads, initargs=(1,)
+        ) as p:
+            runs = p.map(_one, [(s, *job) for job in jobs], chunksize=1)
+    else:
+        runs = []
+        for i, job in enumerate(jobs):
+            runs.append(_one((s, *job)))
+            if not distributed or dist.get_rank() == 0:
+                r = runs[-1]
+                print(
+                    f"[{i + 1}/{len(jobs)}] k={r.workers} {r.variant} seed={r.seed}: "
+                    f"val error {r.final_val_error:.4f}",
+                    flush=True,
+                )
+    # Where the four rules coincide, every variant's row shows the one run.
+    out = []
+    for r in runs:
+        same = r.global_batch == s.reference_batch
+        for v in s.variant_list if same else [r.variant]:
+            out.append(dataclasses.replace(r, variant=v))
+    return out
