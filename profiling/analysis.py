@@ -64,6 +64,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp.spans import ALLREDUCE_BYTES
+
 Interval = tuple[float, float]  # (start, end) in microseconds, the traces' unit
 
 COMPUTE_ONLY = "compute_only"  # the run every other run's exposed communication refers to
@@ -86,7 +88,6 @@ DTYPE_BYTES = {  # the dtype names torch's profiler writes in "Input type"
     "c10::complex<double>": 16,
 }
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
-LABELLED_BYTES = re.compile(r"^allreduce .*\((\d+) B\)$")  # stages/*.py span labels
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def analyse_trace(trace: dict) -> list[StepBreakdown]:
             labelled = [
                 int(m.group(1))
                 for e in parsed.main_spans
-                if lo <= e["ts"] < hi and (m := LABELLED_BYTES.match(e.get("name", "")))
+                if lo <= e["ts"] < hi and (m := ALLREDUCE_BYTES.match(e.get("name", "")))
             ]
             if labelled:
                 nbytes, source = sum(labelled), "span labels"

@@ -18,11 +18,11 @@ from ddp.train import (
     MicroBatches,
     Wrap,
     make_micro_batches,
-    standard_runs,
     synchronize,
     train_step,
 )
 from profiling.bench.options import COMM, FLOOR
+from stages import STAGES, standard_runs
 
 
 @dataclass
@@ -59,8 +59,6 @@ def variant_wraps() -> dict[str, Wrap | None]:
 
 def extra_wraps() -> dict[str, Wrap]:
     """Variants that `--variants all` leaves out: stage options and torch's defaults."""
-    from stages import STAGES
-
     last = STAGES["drop_in"]
     return {
         # torch's DDP as most scripts use it: bucket_cap_mb=None, 25 MiB and a 1 MiB first
