@@ -42,6 +42,7 @@ class BucketedDDP(NaiveDDP):
     # --8<-- [start:finish]
     def finish_gradient_synchronization(self) -> None:
         """Average every gradient over the ranks, one flat buffer per bucket."""
+        # Replaces stage 1's loop over parameters (its checks still run first).
         self._start_synchronization()
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):

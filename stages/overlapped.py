@@ -129,7 +129,8 @@ class OverlappedDDP(BucketedDDP):
             )
 
     def finish_gradient_synchronization(self) -> None:
-        """Nothing left to do after loss.backward(): its last callback finished it."""
+        """Nothing left to do after loss.backward(): its last callback finished it, so
+        this replaces stage 2's work with a check that backward did run."""
         if self._awaiting_sync:
             raise RuntimeError(
                 f"{type(self).__name__}: finish_gradient_synchronization() called after "

@@ -1,4 +1,4 @@
-"""Large-minibatch training (issue 6): the learning-rate rules against their formulas,
+"""Large-minibatch training: the learning-rate rules against their formulas,
 the no-decay parameter groups, the per-epoch split over workers, and k workers of n
 against one process on the k*n batch, written here independently of the code under test."""
 
