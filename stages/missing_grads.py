@@ -62,11 +62,12 @@ class MissingGradsDDP(SkipSyncDDP):
     def _finish_backward(self) -> None:
         slots = self._slots
         ready = torch.tensor([self._ready[b.index][i] for b, i in slots], dtype=torch.int32)
-        # Complete every bucket, zeros for what is missing, so that every rank issues the
-        # same all-reduces in the same order and none can hang.
+        # Complete every bucket, so that every rank issues the same all-reduces in the
+        # same order and none can hang: what did not come adds the gradient the parameter
+        # already holds (from no_sync() micro-batches), else zeros.
         for bucket, i in slots:
             if not self._ready[bucket.index][i]:
-                self._mark_ready(bucket, i, None)
+                self._mark_ready(bucket, i, bucket.params[i].grad)
         super()._finish_backward()  # waits for every bucket and copies the averages out
         status = self._exchange_status(self._status_row(ready))
         self._raise_on_every_rank(status)

@@ -64,10 +64,12 @@ class NaiveDDP(nn.Module):
         """Average every gradient over the ranks. Call after loss.backward()."""
         self._start_synchronization()
         for name, param in self.named_trainable:
-            nbytes = param.grad.numel() * param.grad.element_size()
+            grad = param.grad.contiguous()  # itself, unless transposed: NCCL needs contiguous
+            nbytes = grad.numel() * grad.element_size()
             with record_function(allreduce_span(name, nbytes)):  # a span in traces
-                dist.all_reduce(param.grad, group=self.process_group)  # the sum, in place
-            param.grad.div_(self.world_size)  # sum -> mean: each rank's loss is a local mean
+                dist.all_reduce(grad, group=self.process_group)  # the sum, in place
+            # sum -> mean (each rank's loss is a local mean), back into .grad if a copy
+            param.grad.copy_(grad.div_(self.world_size))
 
     # --8<-- [end:finish]
 

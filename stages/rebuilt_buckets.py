@@ -102,7 +102,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
 
     # --8<-- [start:backward]
     def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if not self._rebuilt:
+        if not self._rebuilt and self._order_is_static():  # else it is never used
             self._ready_order.append(self._position[id(bucket.params[i])])
         super()._mark_ready(bucket, i, grad)
 

@@ -17,6 +17,18 @@ from tests.adapters import TORCH_DDP, build_wrapper
 from tests.compare import clone
 from tests.models import NetSpec, build_net
 
+# What a stage may declare in `collectives`, each standing for some collectives of one
+# synchronised backward (tests/test_suite.py, property 6, says which).
+PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
+READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
+STATUS_WIDTH = {"ready": "n", "used": "n", "problems": 1}  # per column: n = trainable params
+
+
+def status_width(stage_cls: type, n: int) -> int:
+    """Entries in one rank's status row, for a stage whose model has n trainable params."""
+    return sum(n if STATUS_WIDTH[c] == "n" else STATUS_WIDTH[c] for c in stage_cls.status_columns)
+
+
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
 TORCH_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view")
 

@@ -152,3 +152,16 @@ class UserNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+class TwoHeads(nn.Module):
+    """Two heads on one input. Forward returns both, so both are reached by its outputs,
+    even in a step whose loss uses only one."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Linear(3, 1)
+        self.aux = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.main(x), self.aux(x)

@@ -15,12 +15,17 @@ from ddp.train import keyword_options
 from stages import STAGES
 from tests.adapters import WRAPPERS
 from tests.cases import (
+    PER_BUCKET,
+    PER_PARAMETER,
+    READY_ORDER,
+    STATUS,
     TORCH_OPTIONS,
     Case,
     expected_bucket_sizes,
     ready_order,
     reference_run,
     run_case,
+    status_width,
 )
 from tests.models import NetSpec, build_net
 from tests.pool import MAX_WORLD, check_no_errors
@@ -168,11 +173,6 @@ def check_case(pool, case: Case) -> None:
                 assert calls == expected, f"{case.wrapper} declares {declared}: got {calls}"
 
 
-PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
-READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
-STATUS_WIDTH = {"ready": "n", "used": "n", "problems": 1}  # per column: n = trainable params
-
-
 def expected_calls(what, cls, case, trainable, buckets, rebuilds, step) -> list[tuple]:
     """The collectives (name, shape) that one declaration of a stage stands for."""
     n = len(trainable)
@@ -183,8 +183,7 @@ def expected_calls(what, cls, case, trainable, buckets, rebuilds, step) -> list[
     if what == READY_ORDER:  # once, before the second synchronised step's forward
         return [("broadcast", (n,))] if rebuilds and step == 1 else []
     if what == STATUS:
-        width = sum(n if STATUS_WIDTH[c] == "n" else STATUS_WIDTH[c] for c in cls.status_columns)
-        return [("all_reduce", (case.world_size, width))]
+        return [("all_reduce", (case.world_size, status_width(cls, n)))]
     raise AssertionError(f"{cls.__name__} declares {what!r}, which the suite does not know")
 
 

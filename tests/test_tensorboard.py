@@ -35,6 +35,7 @@ import pytest
 
 from ddp.models import build_model
 from stages import STAGES
+from tests.cases import STATUS, status_width
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ["compute_only", *STAGES, "torch_ddp"]  # one TensorBoard run each (tests/conftest.py)
@@ -185,10 +186,10 @@ def test_all_reduced_bytes_are_the_gradients(tensorboard: TensorBoard, run: str)
     order = [*STAGES, "torch_ddp"]
     later = lambda stage: order.index(run) >= order.index(stage)  # noqa: E731
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
-    # From unused_params on, the stages also all-reduce who-used-what: (W, 2n + 1) int32.
-    status_bytes = 4 * len(RANKS) * (2 * n_params + 1) if later("unused_params") else 0
-    if run == "torch_ddp":
-        status_bytes = 0
+    # The stages that declare it also all-reduce a status row per rank: (W, width) int32.
+    declared = getattr(STAGES.get(run), "collectives", ())
+    status = STATUS in declared
+    status_bytes = 4 * len(RANKS) * status_width(STAGES[run], n_params) if status else 0
     expected = {"gloo:all_reduce": steps * (grad_bytes + status_bytes)}
     # torch DDP, and the stages from buffers on, also broadcast rank 0's buffers at every
     # forward (broadcast_buffers=True); the earlier stages leave each rank's BatchNorm

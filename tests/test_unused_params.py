@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.adapters import build_wrapper, stages_from
 from tests.compare import EXAMPLES, assert_same, grads_of, params_of, run_both
-from tests.models import BRANCHES, Branchy
+from tests.models import BRANCHES, Branchy, TwoHeads
 from tests.pool import RankError
 
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI
@@ -167,7 +167,7 @@ def used_on_rank_0_only(
 
 @pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage", stages_from("unused_params"))
+@pytest.mark.parametrize("stage", stages_from("missing_grads"))
 def test_parameter_unused_on_some_ranks_without_the_flag(
     pool, stage: str, world_size: int, bucket_cap_mb: float
 ) -> None:
@@ -227,3 +227,30 @@ def test_loss_reaches_a_parameter_the_output_does_not(
         )
         assert "'extra.weight'" in error, error
         check_healthy(2, after)
+
+
+def accumulated_then_not_reached_by_the_loss(
+    rank: int, group: dist.ProcessGroup, stage: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1000 * rank)
+    model = TwoHeads()
+    wrapped = build_wrapper(stage, model, group, find_unused_parameters=True)
+    x = torch.full((1, 3), float(rank + 1))  # each rank its own gradient
+    with wrapped.no_sync():
+        wrapped(x)[1].sum().backward()  # accumulates aux's gradient, locally
+    accumulated = model.aux.weight.grad.clone()
+    wrapped(x)[0].sum().backward()  # synchronised; reaches aux (an output) but uses main only
+    return accumulated, model.aux.weight.grad.clone()
+
+
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_gradient_accumulated_in_no_sync_is_averaged(pool, stage: str) -> None:
+    """A parameter that forward's outputs reach gets no gradient in the synchronised
+    backward (its loss does not use it): what it accumulated inside no_sync() is what
+    this rank contributes, so it ends as the average of the ranks' accumulations."""
+    runs = pool.run(2, accumulated_then_not_reached_by_the_loss, stage, timeout_s=SECONDS)
+    for run in runs:
+        assert not isinstance(run, RankError), run.traceback
+    expected = (runs[0][0] + runs[1][0]) / 2  # computed here, from each rank's own
+    for rank, (_, averaged) in enumerate(runs):
+        torch.testing.assert_close(averaged, expected, msg=lambda m, r=rank: f"rank {r}: {m}")
