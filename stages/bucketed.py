@@ -40,6 +40,7 @@ class BucketedDDP(NaiveDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:finish]
+    @torch.no_grad()  # a gradient made with create_graph=True is averaged outside its graph
     def finish_gradient_synchronization(self) -> None:
         """Average every gradient over the ranks, one flat buffer per bucket."""
         # Replaces stage 1's loop over parameters (its checks still run first).

@@ -20,6 +20,7 @@ several buckets in flight those threads all block and the ranks hang.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +42,15 @@ class CommHooksDDP(RebuiltBucketsDDP):
     _comm_state: Any = None
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Send every bucket through `hook(state, bucket)` from the next backward on."""
+        """Send every bucket through `hook(state, bucket)` from the next backward on.
+
+        Misuse raises torch's exception types with torch's messages, so that code and
+        tests written against torch's DDP keep working."""
+        _check_comm_hook(hook)
         if self._comm_hook is not None:
-            raise RuntimeError(f"{type(self).__name__}: register_comm_hook may be called once")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
         self._comm_hook, self._comm_state = hook, state
 
     def _grad_divisor(self) -> int:
@@ -75,6 +80,25 @@ class CommHooksDDP(RebuiltBucketsDDP):
         return future.then(write_back)
 
     # --8<-- [end:backward]
+
+
+def _check_comm_hook(hook: CommHook) -> None:
+    """torch DDP's checks: a callable whose `bucket` parameter and return value, where
+    annotated, are a GradBucket and a Future of a tensor."""
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    try:  # resolve string annotations (`from __future__ import annotations`) first
+        signature = inspect.signature(hook, eval_str=True)
+    except NameError:
+        signature = inspect.signature(hook)
+    bucket = signature.parameters["bucket"].annotation
+    if bucket is not inspect.Parameter.empty and bucket not in (dist.GradBucket, GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and returned != torch.futures.Future[torch.Tensor]:
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
+        )
 
 
 if __name__ == "__main__":

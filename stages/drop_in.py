@@ -87,6 +87,11 @@ class DistributedDataParallel(AutoBucketDDP):
             )
         if dim != 0:
             raise NotImplementedError(f"only dim=0 is supported, got dim={dim}")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise RuntimeError(  # torch's words: there would be nothing to synchronise
+                "DistributedDataParallel is not needed when a module "
+                "doesn't have any parameter that requires a gradient."
+            )
         _check_one_device(module, device_ids, output_device)
         # torch 2.13's rules: forward_sync_buffers wins, and then buffers are always
         # broadcast at construction; else broadcast_buffers (default True) decides both.
@@ -124,6 +129,14 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:forward]
+    def forward(self, *inputs, **kwargs):
+        if self._awaiting_sync and not self._finish_queued:
+            # As torch's DDP: a forward whose output never reached backward (an evaluation
+            # pass under grad mode, a discarded output) is forgotten. The earlier stages
+            # raise instead, which catches a forgotten backward while one learns.
+            self._awaiting_sync = False
+        return super().forward(*inputs, **kwargs)
+
     def _order_is_static(self) -> bool:
         return self.static_graph or super()._order_is_static()  # the graph will not change
 
@@ -132,6 +145,44 @@ class DistributedDataParallel(AutoBucketDDP):
         self.static_graph = True
 
     # --8<-- [end:forward]
+
+    # --8<-- [start:pickle]
+    def __getstate__(self) -> dict:
+        """What pickle, copy.deepcopy and torch.save keep: as torch's DDP, everything but
+        the process group and what lives in it (work in flight, a comm hook, which
+        torch's DDP also drops); unpickling takes the default group again."""
+        if self.process_group is not _default_group():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default "
+                "process group. That is, when you have called init_process_group and have "
+                "not passed process_group argument to DDP constructor"
+            )
+        if len(self.round_robin_groups) > 1:
+            raise NotImplementedError(
+                "pickling with round_robin_groups > 1: unpickling would have to make "
+                "process groups, which every rank must do together"
+            )
+        state = dict(self.__dict__)
+        for transient in ("process_group", "round_robin_groups", "_in_flight", "_hook_handles"):
+            del state[transient]
+        for hook in ("_comm_hook", "_comm_state"):
+            state.pop(hook, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.process_group = _default_group()
+        self.round_robin_groups = [self.process_group]
+        self._in_flight = []
+        self._register_hooks()  # a tensor's hooks are not pickled, nor copied with it
+        # Parameters are new objects: re-key what is keyed by their identity.
+        self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
+
+    # --8<-- [end:pickle]
+
+
+def _default_group() -> dist.ProcessGroup:
+    return dist.group.WORLD
 
 
 def _check_one_device(

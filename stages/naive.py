@@ -60,6 +60,7 @@ class NaiveDDP(nn.Module):
     # --8<-- [end:forward]
 
     # --8<-- [start:finish]
+    @torch.no_grad()  # a gradient made with create_graph=True is averaged outside its graph
     def finish_gradient_synchronization(self) -> None:
         """Average every gradient over the ranks. Call after loss.backward()."""
         self._start_synchronization()

@@ -67,6 +67,9 @@ class OverlappedDDP(BucketedDDP):
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
+    # Under no_grad, here and in the callback: backward(create_graph=True) runs hooks with
+    # grad mode on, and the copies into and out of buckets are no part of the graph.
+    @torch.no_grad()
     def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
         if not self._awaiting_sync:
             raise RuntimeError(
@@ -74,7 +77,7 @@ class OverlappedDDP(BucketedDDP):
                 "forward before it; run forward once per backward"
             )
         if not self._finish_queued:  # runs once, when this whole backward is done
-            Variable._execution_engine.queue_callback(self._finish_backward)
+            Variable._execution_engine.queue_callback(torch.no_grad()(self._finish_backward))
             self._finish_queued = True
             self._backward_started()
         self._mark_ready(bucket, i, param.grad)

@@ -93,6 +93,9 @@ WRONG_ORDER = [
     for mistake in ["finish before backward", "two forwards, one backward", "finish twice"]
     # Stages that finish inside backward make a second finish a cheap no-op, by contract.
     if not (mistake == "finish twice" and stage in stages_from("overlapped"))
+    # The drop-in forgets a forward whose output never reached backward, as torch's DDP
+    # does (tests/test_drop_in.py compares it with torch's).
+    and not (mistake == "two forwards, one backward" and stage == "drop_in")
 ]
 
 

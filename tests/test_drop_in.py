@@ -4,7 +4,9 @@ describes), and what the drop-in does not implement raises as torch's does."""
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 from dataclasses import dataclass
 
 import pytest
@@ -14,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from stages.drop_in import DistributedDataParallel as DropIn
 from tests.compare import (
     EXACT,
+    TIGHT,
     assert_same,
     assert_same_steps,
     buffers_of,
@@ -24,6 +28,7 @@ from tests.compare import (
     run_checked,
 )
 from tests.models import UserNet
+from tests.pool import MAX_WORLD
 
 
 @dataclass(frozen=True)
@@ -142,3 +147,145 @@ def test_drop_in_rejects_what_it_does_not_implement(pool) -> None:
     # must the drop-in.
     assert raised["torch_device_ids"].startswith("ValueError"), raised
     assert raised["device_ids"].startswith("ValueError"), raised
+
+
+# --- torch's behaviours a script may rely on: each scenario runs with both classes, and
+# what it returns (values, or the exception's type and message) must be the same.
+
+
+def _outcome(fn) -> tuple:
+    try:
+        return ("returned", fn())
+    except Exception as e:  # the type and message are the behaviour under test
+        return ("raised", type(e).__name__, str(e))
+
+
+def _hook_bucket_int(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _hook_returns_int(state, bucket) -> int:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+class Square(nn.Module):
+    """One scalar parameter; forward is p**2, whose second derivative is a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(2)
+
+
+def _steps(ddp: nn.Module, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Two SGD steps on the wrapped model; the gradients of each, before the step."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads = []
+    for _ in range(2):
+        F.mse_loss(ddp(x), torch.ones(len(x), 2)).backward()
+        grads.append(model.weight.grad.clone())
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads
+
+
+PICKLED = ("pickle", "deepcopy", "torch.save")  # both need the default group: all ranks
+
+
+def torch_behaviour(rank: int, group: dist.ProcessGroup, which: str, scenario: str) -> tuple:
+    torch.manual_seed(0)  # the same model on every rank: these are not about the broadcast
+    cls = DropIn if which == "drop_in" else nn.parallel.DistributedDataParallel
+    pg = None if scenario in PICKLED else group  # None: the default group
+
+    def DDP(module: nn.Module, **options) -> nn.Module:  # noqa: N802 - a class, to the script
+        return cls(module, process_group=pg, **options)
+
+    x = torch.full((2, 3), float(rank + 1))  # each rank its own input
+    if scenario == "no trainable parameter":
+        return _outcome(lambda: DDP(nn.Linear(3, 2).requires_grad_(False)))
+    if scenario.startswith("hook "):
+        ddp = DDP(nn.Linear(3, 2))
+        hook = {
+            "hook not callable": 3,
+            "hook bucket annotation": _hook_bucket_int,
+            "hook return annotation": _hook_returns_int,
+            "hook twice": default_hooks.allreduce_hook,
+        }[scenario]
+        if scenario == "hook twice":
+            ddp.register_comm_hook(None, hook)
+        return _outcome(lambda: ddp.register_comm_hook(None, hook))
+    if scenario == "double backward":
+        ddp = DDP(Square())
+        seen = []
+        for _ in range(3):
+            ddp().backward(create_graph=True)
+            grad = ddp.module.p.grad
+            seen.append((grad.item(), grad.requires_grad))
+        return _outcome(lambda: seen)
+    if scenario.startswith("output never reaches backward"):
+        unused = scenario.endswith("find_unused_parameters")
+        model = nn.Linear(3, 2)
+        ddp = DDP(model, find_unused_parameters=unused)
+
+        def run() -> list:
+            ddp(x)  # an evaluation pass under grad mode: its output is dropped
+            return [g.tolist() for g in _steps(ddp, model, x)]
+
+        return _outcome(run)
+    if scenario in PICKLED:
+        model = nn.Linear(3, 2)
+        ddp = DDP(model)
+        _steps(ddp, model, x)  # a trained model, buckets rebuilt
+
+        def copied() -> list:
+            if scenario == "pickle":
+                again = pickle.loads(pickle.dumps(ddp))
+            elif scenario == "deepcopy":
+                again = copy.deepcopy(ddp)
+            else:
+                buffer = io.BytesIO()
+                torch.save(ddp, buffer)
+                buffer.seek(0)
+                again = torch.load(buffer, weights_only=False)  # a whole module, not weights
+            # The copy trains on as the original would: averaged gradients, in sync.
+            return [g.tolist() for g in _steps(again, again.module, x)]
+
+        return _outcome(copied)
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+TORCH_BEHAVIOURS = [
+    "no trainable parameter",
+    "hook not callable",
+    "hook bucket annotation",
+    "hook return annotation",
+    "hook twice",
+    "double backward",
+    "output never reaches backward",
+    "output never reaches backward, find_unused_parameters",
+    "pickle",
+    "deepcopy",
+    "torch.save",
+]
+
+
+def both_behaviours(rank: int, group: dist.ProcessGroup, scenario: str) -> tuple:
+    return tuple(torch_behaviour(rank, group, which, scenario) for which in ("drop_in", "torch"))
+
+
+@pytest.mark.parametrize("scenario", TORCH_BEHAVIOURS)
+def test_behaves_as_torch(pool, scenario: str) -> None:
+    """What a script written for torch's DDP sees, the drop-in shows too: the same values,
+    or the same exception type and message."""
+    world_size = MAX_WORLD if scenario in PICKLED else 2  # the default group is all workers
+    for rank, (ours, torchs) in enumerate(run_checked(pool, world_size, both_behaviours, scenario)):
+        where = f"rank {rank}, {scenario}: ours {ours}, torch's {torchs}"
+        assert ours[0] == torchs[0], where
+        if ours[0] == "raised":
+            assert ours == torchs, where  # the type and the message
+        else:  # values, within float tolerance: the buckets sum in another order
+            torch.testing.assert_close(
+                torch.tensor(ours[1]), torch.tensor(torchs[1]), **TIGHT, msg=where
+            )
