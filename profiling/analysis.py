@@ -25,7 +25,7 @@ with a `correlation` id shared with the CPU-side call that launched it
 `ncclKernel_AllReduce_*`, `ncclDevKernel_Broadcast_*`, `ncclKernel_SendRecv_*` (all-to-all,
 send/recv). The launch sits inside a CPU-side `nccl:all_reduce` (`nccl:all_to_all`, ...)
 span, which holds the tensor's shape when shapes were recorded; newer NCCL kernels also
-carry `In msg nelems` and `dtype` themselves. Kineto before 2022 named the categories
+carry `In msg nelems` and `dtype` themselves. Older kineto (2021) named the categories
 `Operator`, `Runtime`, `Kernel`, `Memcpy` and `Memset`; they are read the same way.
 
 Definitions, per traced step of one rank:

@@ -424,13 +424,26 @@ def test_send_recv_kernels_are_communication(traces):
 # TensorBoard's profiler plugin on the same trace: it counts NCCL kernels as compute.
 
 
+def plugin_costs(trace: dict) -> dict:
+    """torch-tb-profiler's Distributed view per profiled step, as its server computes it."""
+    from torch_tb_profiler.profiler.data import RunProfileData
+
+    plugin = RunProfileData.from_json("rank0", "1", copy.deepcopy(trace))
+    return dict(zip(map(int, plugin.steps_names), plugin.comm_overlap_costs, strict=True))
+
+
+def in_step(events, lo: float, hi: float) -> list[tuple[float, float]]:
+    return [
+        (max(e["ts"], lo), min(e["ts"] + e["dur"], hi))
+        for e in events
+        if min(e["ts"] + e["dur"], hi) > max(e["ts"], lo)
+    ]
+
+
 def test_tensorboard_plugin_overlap_against_ours_on_the_ddp_trace(traces):
     """The figures docs/tensorboard.md shows side by side. If this fails after a plugin
     upgrade, update that page."""
-    from torch_tb_profiler.profiler.data import RunProfileData
-
-    plugin = RunProfileData.from_json("rank0", "1", copy.deepcopy(traces[DDP]))
-    costs = dict(zip(plugin.steps_names, plugin.comm_overlap_costs, strict=True))["4"]
+    costs = plugin_costs(traces[DDP])[4]
     # The plugin's Distributed view, step 4: "Overlapping" and "Communication" (only), µs
     assert costs.overlap == pytest.approx(12_084.9, abs=0.05)
     assert costs.communication - costs.overlap == pytest.approx(356.0, abs=0.05)
@@ -439,19 +452,33 @@ def test_tensorboard_plugin_overlap_against_ours_on_the_ddp_trace(traces):
     assert (ours.hidden_ms, ours.communication_ms) == pytest.approx((1.942, 11.989), abs=5e-4)
     assert 100 * ours.overlap == pytest.approx(16.2, abs=0.05)
     assert ours.hidden_ms == pytest.approx(reference(traces[DDP])[4]["hidden_ms"])
-    # Why: the plugin ties a kernel to a collective by its External id, which points at
-    # record_param_comms, not at the nccl:* op, so it files NCCL kernels under compute
-    ops = {
-        e["args"].get("External id"): e["name"]
-        for e in traces[DDP]["traceEvents"]
-        if e.get("cat") in ("cpu_op", "user_annotation")
-    }
-    kernels = [
-        e
-        for e in traces[DDP]["traceEvents"]
-        if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel_")
-    ]
-    assert {ops[e["args"]["External id"]] for e in kernels} == {"record_param_comms"}
+
+    # Why. The plugin ties a kernel to a collective by its External id, which points at
+    # record_param_comms, not at the nccl:* op, so it files NCCL kernels under computation
+    events = [e for e in traces[DDP]["traceEvents"] if e.get("ph") == "X"]
+    ops = {e["args"].get("External id"): e["name"] for e in events if e["cat"] == "cpu_op"}
+    nccl = [e for e in events if e["cat"] == "kernel" and e["name"].startswith("ncclKernel_")]
+    assert {ops[e["args"]["External id"]] for e in nccl} == {"record_param_comms"}
+    # and times communication by the nccl:* spans (the CPU's, and their GPU-side copies),
+    # within which those same kernels run: its "overlap" is largely NCCL with itself
+    (step,) = [e for e in events if e["name"] == "ProfilerStep#4"]
+    lo, hi = step["ts"], step["ts"] + step["dur"]
+    kernels = in_step((e for e in events if e["cat"] == "kernel"), lo, hi)
+    spans = in_step((e for e in events if e["name"].startswith("nccl:")), lo, hi)
+    computation, communication, overlap = sweep(kernels, spans)
+    assert (costs.computation, costs.communication, costs.overlap) == pytest.approx(
+        (computation, communication, overlap)
+    )
+    assert sweep(in_step(nccl, lo, hi), spans)[2] == pytest.approx(ours.communication_ms * 1e3)
+
+
+def test_tensorboard_plugin_misses_send_recv_traffic(traces):
+    # sampled-128w rank 0, step 551: the plugin knows no nccl:all_to_all or
+    # nccl:_all_gather_base, and counts their SendRecv kernels as computation
+    costs = plugin_costs(traces[SAMPLED[0]])[551]
+    assert costs.communication == pytest.approx(218.0)  # µs
+    ours = {s.step: s for s in analyse_trace(traces[SAMPLED[0]])}[551]
+    assert ours.communication_ms == pytest.approx(195.327, abs=5e-4)
 
 
 def test_the_step_timeline_of_a_gpu_trace_is_its_launched_work(traces):
