@@ -777,7 +777,7 @@ def read_logdir(logdir: str | Path) -> dict[str, dict[int, dict]]:
         }
         if len({size for size in sizes.values() if size is not None}) > 1:
             raise TraceFormatError(
-                f"{Path(logdir) / run} holds traces of jobs of different world sizes "
+                f"{paths[0].parent} holds traces of jobs of different world sizes "
                 f"({sizes}); put each job's traces in a folder of its own"
             )
         newest: dict[int, tuple[float, dict]] = {}

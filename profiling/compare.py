@@ -47,6 +47,7 @@ from profiling.analysis import (
     GLOO_LANE,
     RankResult,
     RunSummary,
+    TraceFormatError,
     analyse_runs,
     rank_average,
     read_logdir,
@@ -106,8 +107,11 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     out = Path(args.out or logdir)
     figures = Path(args.figures or out)
 
-    traces = read_logdir(logdir)
-    results = analyse_runs(traces)
+    try:
+        traces = read_logdir(logdir)
+        results = analyse_runs(traces)
+    except (FileNotFoundError, TraceFormatError) as e:
+        raise SystemExit(f"profiling.compare: {e}") from e
     rows = rank_average(results)
     heading = describe(logdir, results, command)
     table = format_table(rows)

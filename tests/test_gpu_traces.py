@@ -188,8 +188,9 @@ def test_a_folder_of_one_jobs_traces_is_one_run(tmp_path):
 def test_traces_of_different_jobs_in_one_folder_are_refused(tmp_path):
     shutil.copy(DDP, tmp_path / DDP.name)  # 2 ranks
     shutil.copy(SAMPLED[1], tmp_path / SAMPLED[1].name)  # 128 ranks
-    with pytest.raises(TraceFormatError, match="different world sizes.*folder of its own"):
-        read_logdir(tmp_path)
+    with pytest.raises(SystemExit, match="different world sizes.*folder of its own") as caught:
+        compare.main(["--analyse-only", str(tmp_path), "--no-scalars"])
+    assert f"{tmp_path} holds traces" in str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------
