@@ -433,7 +433,8 @@ def _gpu_steps(events: list[dict], windows) -> list[_Step]:
         lanes: dict[str, tuple[list[Interval], list[Interval]]] = {}
         collectives = []
         for e, launch in sorted(work, key=lambda pair: _ts(pair[0])):
-            compute, nccl = lanes.setdefault(str(e["args"].get("stream", e.get("tid"))), ([], []))
+            stream = str(e.get("args", {}).get("stream", e.get("tid")))
+            compute, nccl = lanes.setdefault(stream, ([], []))
             if not is_collective(e):
                 compute.append(span(e))
                 continue
