@@ -9,15 +9,19 @@ train on the same workload one after another, each traced into its own TensorBoa
 (LOGDIR/<run>/rank<r>.*.pt.trace.json.gz). Every option it does not know itself
 (--bucket-cap-mb, --batch-size, --steps, --profile-steps, ...) goes to the main job.
 
+`--analyse-only LOGDIR` reads traces recorded any way, CPU (Gloo) or GPU (NCCL): every
+*.json[.gz] trace in LOGDIR/<run>/, whatever its name, its rank read from the trace.
+
 Then it reads the traces (profiling/analysis.py has the definitions) and writes:
 
 - a table on stdout, one row per run, averaged over ranks (each rank's median step);
 - profile.json (per run, and per rank with every traced step), profile.csv (per rank and
   the rank mean) and profile.md (the table) under --out (default: LOGDIR);
 - profile-breakdown.png (per run: compute, hidden and not-hidden communication, the rest;
-  the compute-only step as a line) and profile-timeline.png (rank 0's median step of every
-  run: main-thread compute and waits, collectives in flight) under --figures (default:
-  --out);
+  the compute-only step as a line) and profile-timeline.png (the median step of every run
+  on each rank in --timeline-ranks: for a CPU run its main thread's compute and waits and
+  the collectives in flight; for a GPU run each CUDA stream's compute and NCCL kernels)
+  under --figures (default: --out);
 - TensorBoard scalars beside the loop's own (loss, learning rate, step time ms) in
   LOGDIR/<run>/scalars-rank<r>: exposed communication ms, communication ms, hidden
   communication ms and compute ms for every traced step. Re-analysing replaces them.
@@ -34,18 +38,20 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from profiling import report
 from profiling.analysis import (
     COMPUTE_ONLY,
+    GLOO_LANE,
     RankResult,
     RunSummary,
+    TraceFormatError,
     analyse_runs,
     rank_average,
     read_logdir,
     step_timeline,
-    trace_files,
 )
 
 COLUMNS = [  # (header, RunSummary field, format)
@@ -82,7 +88,14 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     parser.add_argument("--out", help="profile.json/.csv/.md go here (default: the logdir)")
     parser.add_argument("--figures", help="the two PNGs go here (default: --out)")
     parser.add_argument("--no-scalars", action="store_true", help="write no TensorBoard scalars")
+    parser.add_argument(
+        "--timeline-ranks",
+        default="0",
+        metavar="R[,R...]|all",
+        help="the ranks whose median step the timeline draws (default: 0)",
+    )
     args, stage_options = parser.parse_known_args(argv)
+    timeline_ranks = parse_ranks(parser, args.timeline_ranks)
     if args.analyse_only:
         if stage_options:
             parser.error(f"--analyse-only runs nothing; unexpected options {stage_options}")
@@ -94,8 +107,11 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     out = Path(args.out or logdir)
     figures = Path(args.figures or out)
 
-    traces = read_logdir(logdir)
-    results = analyse_runs(traces)
+    try:
+        traces = read_logdir(logdir)
+        results = analyse_runs(traces)
+    except (FileNotFoundError, TraceFormatError) as e:
+        raise SystemExit(f"profiling.compare: {e}") from e
     rows = rank_average(results)
     heading = describe(logdir, results, command)
     table = format_table(rows)
@@ -105,8 +121,8 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     write_json(out / "profile.json", rows, results, heading, command)
     write_csv(out / "profile.csv", rows, results)
     (out / "profile.md").write_text(markdown_table(rows) + "\n")
-    plot_breakdown(figures / "profile-breakdown.png", rows, heading)
-    plot_timeline(figures / "profile-timeline.png", traces, results, rank=0)
+    plot_breakdown(figures / "profile-breakdown.png", rows, breakdown_title(heading))
+    plot_timeline(figures / "profile-timeline.png", traces, results, timeline_ranks)
     if not args.no_scalars:
         write_scalars(logdir, results)
     print(f"\nwrote {out}/profile.{{json,csv,md}} and {figures}/profile-{{breakdown,timeline}}.png")
@@ -115,13 +131,33 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     return rows
 
 
+def parse_ranks(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
+    """--timeline-ranks: "all" (None) or a comma-separated list of ranks."""
+    if text == "all":
+        return None
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        parser.error(f"--timeline-ranks takes ranks like 0,1 or 'all', not {text!r}")
+
+
+def traced_runs(logdir: Path) -> list[str]:
+    """The run folders in `logdir` that hold traces the main job writes (torch's
+    tensorboard_trace_handler names them *.pt.trace.json.gz): those --overwrite replaces."""
+    if not logdir.is_dir():
+        return []
+    return sorted(
+        d.name for d in logdir.iterdir() if d.is_dir() and any(d.glob("*.pt.trace.json*"))
+    )
+
+
 def run_main_job(
     nproc: int, model: str, stage_options: list[str], logdir: Path, overwrite: bool
 ) -> list[str]:
     """Run `python -m stages` under torch.distributed.run, tracing into `logdir`."""
     if any(o.split("=")[0] == "--profile-dir" for o in stage_options):
         raise SystemExit("--profile-dir is --logdir here")
-    existing = trace_files(logdir) if logdir.is_dir() else {}
+    existing = traced_runs(logdir)
     if existing and not overwrite:
         raise SystemExit(
             f"{logdir} already holds traced runs ({', '.join(existing)}); pick another "
@@ -143,21 +179,32 @@ def run_main_job(
 
 
 def describe(logdir: Path, results: list[RankResult], command: list[str] | None) -> str:
-    ranks = sorted({r.rank for r in results})
+    per_run: dict[str, int] = {}
+    for r in results:
+        per_run[r.run] = per_run.get(r.run, 0) + 1
+    ranks = "/".join(map(str, sorted(set(per_run.values()))))
     traced = sorted({len(r.steps) for r in results})
     if command:
         ran = typed(command)
     elif (logdir / COMMAND_FILE).is_file():
         ran = (logdir / COMMAND_FILE).read_text().strip() + f"  (re-analysed {logdir})"
     else:
-        ran = f"(traces in {logdir}, command unknown)"
+        ran = f"traces in {logdir}, command unknown"
     m = report.machine()
+    where = "" if command or (logdir / COMMAND_FILE).is_file() else "analysed on "
+    gpu = sorted({r.run for r in results if r.device == "gpu"})
     return (
-        f"{ran}\n{platform.node()}: {platform.machine()}, {m['cores']} CPUs, "
+        f"{ran}\n{where}{platform.node()}: {platform.machine()}, {m['cores']} CPUs, "
         f"Python {m['python']}\n"
-        f"{len(ranks)} ranks, {'/'.join(map(str, traced))} traced steps per run; each "
+        f"{ranks} ranks, {'/'.join(map(str, traced))} traced steps per run; each "
         "row: mean over ranks of each rank's median traced step. exposed = step - "
         f"{COMPUTE_ONLY} step (same rank); overlap = hidden / comm."
+        + (
+            f"\nGPU runs ({', '.join(gpu)}): a step's work is the GPU work it launched, "
+            "wherever it ran; compute = its other kernels and copies, comm = its NCCL kernels."
+            if gpu
+            else ""
+        )
     )
 
 
@@ -211,6 +258,7 @@ def write_json(path: Path, rows, results, heading: str, command) -> None:
             {
                 "run": r.run,
                 "rank": r.rank,
+                "device": r.device,
                 "exposed_ms": r.exposed_ms,
                 "median_step": r.median.step,
                 "steps": [_step_dict(s) for s in r.steps],
@@ -273,18 +321,46 @@ COLOURS = {
     "hidden": "#55a868",
     "not hidden": "#c44e52",
     "waiting": "#c44e52",
-    "communication": "#dd8452",
+    "gloo": "#dd8452",
+    "gpu compute": "#4c72b0",
+    "nccl": "#dd8452",
     "other": "#cccccc",
+}
+LEGEND = {  # what each colour of the timeline stands for
+    "forward": "forward ops (CPU)",
+    "backward": "backward ops (CPU)",
+    "optimizer": "optimizer ops (CPU)",
+    "waiting": "main thread in a collective / waiting",
+    "gloo": "collective in flight (Gloo threads)",
+    "gpu compute": "compute kernels, copies, memsets (GPU)",
+    "nccl": "NCCL kernels (GPU)",
+}
+OTHER = {  # what the breakdown's rest of the step is, by the runs' device
+    "cpu": "other (Python between ops, data, logging)",
+    "gpu": "other (none of the step's own GPU work running)",
+    "mixed": "other (CPU: between ops; GPU: none of the step's work running)",
 }
 
 
-def plot_breakdown(path: Path, rows: list[RunSummary], heading: str) -> None:
+def breakdown_title(heading: str) -> str:
+    """The breakdown chart's title: the main job's options where the command is known,
+    else where the traces came from (the heading's first line)."""
+    command = heading.splitlines()[0]
+    command = re.sub(r" --profile-dir \S+| +\(re-analysed .*", "", command)
+    if "-m stages" in command:
+        return command[command.find("-m stages") :][:110]
+    return command[:110]
+
+
+def plot_breakdown(path: Path, rows: list[RunSummary], title: str) -> None:
     """One stacked bar per run; the segments add up to its step time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    devices = {r.device for r in rows}
+    device = devices.pop() if len(devices) == 1 else "mixed"
     fig, ax = plt.subplots(figsize=(8, 4.4), dpi=100)
     names = [r.run for r in rows]
     segments = [
@@ -293,8 +369,7 @@ def plot_breakdown(path: Path, rows: list[RunSummary], heading: str) -> None:
         ("communication hidden behind compute", [r.hidden_ms for r in rows],
          COLOURS["hidden"]),
         ("communication not hidden", [r.not_hidden_ms for r in rows], COLOURS["not hidden"]),
-        ("other (Python between ops, data, logging)", [max(r.other_ms, 0) for r in rows],
-         COLOURS["other"]),
+        (OTHER[device], [max(r.other_ms, 0) for r in rows], COLOURS["other"]),
     ]  # fmt: skip
     bottom = [0.0] * len(rows)
     for label, values, colour in segments:
@@ -311,57 +386,95 @@ def plot_breakdown(path: Path, rows: list[RunSummary], heading: str) -> None:
                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # fmt: skip
     ax.set_ylabel("ms per step (mean over ranks of the median step)")
     ax.set_ylim(0, max(bottom + [r.step_ms for r in rows]) * 1.25)
-    command = heading.splitlines()[0]  # the main job's options, without where it wrote
-    command = re.sub(r" --profile-dir \S+| +\(re-analysed .*", "", command)
-    ax.set_title(command[command.find("-m stages") :][:110], fontsize=8)
+    ax.set_title(title, fontsize=8)
     ax.legend(fontsize=8, loc="upper left", ncols=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def plot_timeline(path: Path, traces: dict, results: list[RankResult], rank: int) -> None:
-    """Rank `rank`'s median step of every run: two lanes each, the main thread (compute
-    by span, and communication waits) above the collectives in flight."""
+@dataclass
+class Lane:
+    """One row of the timeline: coloured intervals (ms from the step's start on the CPU)."""
+
+    label: str
+    bars: list[tuple[str, list[tuple[float, float]]]]  # (COLOURS key, intervals)
+    step_ms: float | None = None  # the step's ProfilerStep length, drawn under the lane
+
+
+def timeline_lanes(traces: dict, results: list[RankResult], ranks: list[int] | None) -> list[Lane]:
+    """The lanes of each run's median step on each rank in `ranks` (None: every rank).
+    A CPU run: the main thread (compute by phase, and its waits), then the collectives in
+    flight on Gloo's threads. A GPU run: each CUDA stream the step used, compute streams
+    first, each named by what ran on it (compute, NCCL, or both)."""
+    lanes = []
+    for r in results:
+        if ranks is not None and r.rank not in ranks:
+            continue
+        t = step_timeline(traces[r.run][r.rank], r.median.step)
+        head = f"{r.run}, rank {r.rank}, step {r.median.step}"
+        if t["gpu"]:
+            for stream, (compute, nccl) in sorted(t["streams"].items(), key=_stream_order):
+                if stream == GLOO_LANE:
+                    lanes.append(Lane(f"{head}: {GLOO_LANE} (CPU)", [("gloo", nccl)]))
+                    continue
+                kind = "compute + NCCL" if compute and nccl else "NCCL" if nccl else "compute"
+                bars = [("gpu compute", compute), ("nccl", nccl)]
+                lanes.append(Lane(f"{head}: stream {stream} ({kind})", bars))
+        else:
+            main = [*t["compute"].items(), ("waiting", t["waiting"])]
+            lanes.append(Lane(f"{head}: main thread", main))
+            lanes.append(Lane(f"{head}: Gloo threads", [("gloo", t["communication"])]))
+        lanes[-1].step_ms = t["step_ms"]
+    return lanes
+
+
+def timeline_legend(lanes: list[Lane]) -> list[str]:
+    """What the timeline's colours stand for, those its lanes use, and its black line."""
+    used = {kind for lane in lanes for kind, intervals in lane.bars if intervals}
+    return [label for kind, label in LEGEND.items() if kind in used] + ["the step on the CPU"]
+
+
+def _stream_order(item) -> tuple:
+    """Compute streams first, then NCCL streams by number, then Gloo's threads."""
+    stream, (compute, _) = item
+    return (stream == GLOO_LANE, not compute, int(stream) if stream.isdigit() else 0, stream)
+
+
+def plot_timeline(
+    path: Path, traces: dict, results: list[RankResult], ranks: list[int] | None
+) -> None:
+    """The lanes of timeline_lanes, one run's lanes above the next; a black line under each
+    run's last lane marks its step on the CPU (GPU work may run past it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    chosen = [r for r in results if r.rank == rank]
-    fig, ax = plt.subplots(figsize=(10, 0.75 * len(chosen) + 1.4), dpi=100)
-    labels, ticks = [], []
-    for i, r in enumerate(chosen):
-        t = step_timeline(traces[r.run][r.rank], r.median.step)
-        y_main, y_comm = -3 * i, -3 * i - 1
-        for kind, intervals in t["compute"].items():
-            ax.broken_barh(_bars(intervals), (y_main - 0.4, 0.8), color=COLOURS[kind])
-        ax.broken_barh(_bars(t["waiting"]), (y_main - 0.4, 0.8), color=COLOURS["waiting"])
-        ax.broken_barh(_bars(t["communication"]), (y_comm - 0.4, 0.8),
-                       color=COLOURS["communication"])  # fmt: skip
-        ax.plot([0, t["step_ms"]], [y_comm - 0.6] * 2, color="black", linewidth=0.8)
-        labels += [f"{r.run} (step {r.median.step})", "collectives"]
-        ticks += [y_main, y_comm]
-    ax.set_yticks(ticks, labels, fontsize=8)
-    ax.set_xlabel(f"ms from the start of the step (rank {rank}, its median traced step)")
-    fig.legend(
-        handles=[
-            Patch(color=COLOURS[k], label=label)
-            for k, label in [
-                ("forward", "forward ops"),
-                ("backward", "backward ops"),
-                ("optimizer", "optimizer ops"),
-                ("waiting", "main thread in a collective / waiting"),
-                ("communication", "collective in flight (Gloo thread)"),
-            ]
-        ],
-        fontsize=8,
-        loc="upper center",
-        ncols=3,
-    )
+    lanes = timeline_lanes(traces, results, ranks)
+    if not lanes:
+        raise SystemExit(f"--timeline-ranks {ranks}: no such rank in the traces")
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(lanes) + 1.6), dpi=100)
+    y, ticks = 0.0, []
+    for lane in lanes:
+        for kind, intervals in lane.bars:
+            ax.broken_barh(_bars(intervals), (y - 0.4, 0.8), color=COLOURS[kind])
+        ticks.append(y)
+        if lane.step_ms is not None:
+            ax.plot([0, lane.step_ms], [y - 0.55] * 2, color="black", linewidth=0.8)
+            y -= 0.6  # a gap before the next run
+        y -= 1
+    ax.set_yticks(ticks, [lane.label for lane in lanes], fontsize=7)
+    ax.set_xlabel("ms from the start of the step on the CPU (each rank's median traced step)")
+    colour = {label: COLOURS[kind] for kind, label in LEGEND.items()}
+    *patches, line = timeline_legend(lanes)
+    handles = [Patch(color=colour[label], label=label) for label in patches]
+    handles.append(Line2D([], [], color="black", linewidth=0.8, label=line))
+    fig.legend(handles=handles, fontsize=8, loc="upper center", ncols=3)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
     fig.savefig(path)
     plt.close(fig)
 

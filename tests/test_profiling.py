@@ -193,14 +193,24 @@ def test_bytes_fall_back_to_span_labels_without_shapes():
 
 
 def test_gpu_trace_uses_kernels_nccl_for_communication():
+    # each kernel shares a correlation id with the CPU-side call that launched it
     step = only_step(
         trace(
             event("ProfilerStep#0", 0, 100),
             event("backward", 0, 100),
             op("aten::convolution_backward", 0, 100),  # a launch on the CPU: not compute here
-            event("void cudnn::wgrad_kernel", 0, 40, tid=7, cat="kernel"),
-            event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 20, 60, tid=8, cat="kernel"),
+            event("cudaLaunchKernel", 0, 0.5, cat="cuda_runtime", correlation=1),
+            event("void cudnn::wgrad_kernel", 0, 40, tid=7, cat="kernel", correlation=1),
             event("nccl:all_reduce", 19, 20, cat="user_annotation"),  # CPU side: a launch
+            event("cudaLaunchKernel", 19.2, 19.5, cat="cuda_runtime", correlation=2),
+            event(
+                "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                20,
+                60,
+                tid=8,
+                cat="kernel",
+                correlation=2,
+            ),
         )
     )
     assert (step.compute_ms, step.communication_ms, step.hidden_ms) == (40, 40, 20)
