@@ -165,3 +165,20 @@ class TwoHeads(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.main(x), self.aux(x)
+
+
+class Gated(nn.Module):
+    """A trunk with BatchNorm buffers, and two branches; forward skips branch b when told,
+    which leaves its parameters unused in that step."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        return self.out(self.a(h) + self.b(h) if use_b else self.a(h))
