@@ -16,7 +16,9 @@ class Bucket:
     names: list[str]
     params: list[nn.Parameter]
     offsets: list[int]  # element offset of each parameter's gradient in `buffer`
-    buffer: torch.Tensor  # flat, one dtype and device, numel = sum of the params' numel
+    # flat, one dtype and device, numel = sum of the params' numel; or, for a parameter
+    # whose gradients are sparse, that gradient itself, alone in its bucket
+    buffer: torch.Tensor
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -24,11 +26,24 @@ class Bucket:
 
     def view_of(self, i: int) -> torch.Tensor:
         """The slice of `buffer` that holds parameter i's gradient, shaped like it."""
+        if self.buffer.is_sparse:  # no flat buffer: the one gradient is the buffer
+            return self.buffer
         param = self.params[i]
         return self.buffer.narrow(0, self.offsets[i], param.numel()).view(param.shape)
 
 
 Members = list[tuple[str, nn.Parameter]]
+
+
+def sparse_gradient_names(module: nn.Module) -> frozenset[str]:
+    """Parameters whose gradients are sparse: those of nn.Embedding and nn.EmbeddingBag
+    built with sparse=True, which torch's DDP looks for too."""
+    return frozenset(
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+        for name, _ in sub.named_parameters(recurse=False)
+    )
 
 
 def assign_buckets(
@@ -37,6 +52,7 @@ def assign_buckets(
     *,
     first_bucket_cap_mb: float | None = None,
     ready_order: bool = False,
+    sparse: frozenset[str] = frozenset(),
 ) -> list[Bucket]:
     """Buckets as `plan_buckets` lays them out, each with its zeroed flat buffer."""
     plan = plan_buckets(
@@ -44,8 +60,9 @@ def assign_buckets(
         bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         ready_order=ready_order,
+        sparse=sparse,
     )
-    return [_make_bucket(index, members) for index, members in enumerate(plan)]
+    return [_make_bucket(index, members, sparse) for index, members in enumerate(plan)]
 
 
 def plan_buckets(
@@ -54,6 +71,7 @@ def plan_buckets(
     *,
     first_bucket_cap_mb: float | None = None,
     ready_order: bool = False,
+    sparse: frozenset[str] = frozenset(),
 ) -> list[Members]:
     """Group gradients into buckets of at most `bucket_cap_mb` MiB each.
 
@@ -63,7 +81,9 @@ def plan_buckets(
     holds one dtype on one device (a flat buffer has one of each); a parameter larger
     than the cap gets a bucket of its own. The first bucket of each dtype may have a
     smaller cap, `first_bucket_cap_mb`, so that the first all-reduce starts early.
-    Frozen parameters have no gradient and no bucket."""
+    Frozen parameters have no gradient and no bucket. A parameter named in `sparse` has
+    sparse gradients, which no flat buffer holds: it gets a bucket of its own, as in
+    torch's DDP."""
     for name, cap in (
         ("bucket_cap_mb", bucket_cap_mb),
         ("first_bucket_cap_mb", first_bucket_cap_mb),
@@ -80,6 +100,9 @@ def plan_buckets(
     closed_by_kind: dict[tuple[torch.dtype, torch.device], int] = {}
     for name, param in ordered:
         if not param.requires_grad:
+            continue
+        if name in sparse:
+            closed.append([(name, param)])
             continue
         kind = (param.dtype, param.device)
         members = open_by_kind.setdefault(kind, [])
@@ -98,13 +121,18 @@ def plan_buckets(
     return closed
 
 
-def _make_bucket(index: int, members: list[tuple[str, nn.Parameter]]) -> Bucket:
+def _make_bucket(
+    index: int, members: list[tuple[str, nn.Parameter]], sparse: frozenset[str]
+) -> Bucket:
     offsets, numel = [], 0
     for _, param in members:
         offsets.append(numel)
         numel += param.numel()
     first = members[0][1]
-    buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    if members[0][0] in sparse:  # an empty sparse gradient, until backward gives one
+        buffer = torch.sparse_coo_tensor(size=first.shape, dtype=first.dtype, device=first.device)
+    else:
+        buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
     return Bucket(
         index=index,
         names=[name for name, _ in members],

@@ -80,7 +80,13 @@ class AutoBucketDDP(JoinDDP):
         first = lambda cap: min(cap, self.first_bucket_cap_mb or cap)  # noqa: E731
         predicted = {
             cap: _replay(
-                plan_buckets(named, cap, first_bucket_cap_mb=first(cap), ready_order=True),
+                plan_buckets(
+                    named,
+                    cap,
+                    first_bucket_cap_mb=first(cap),
+                    ready_order=True,
+                    sparse=self._sparse,
+                ),
                 ready_s,
                 self._position,
                 latency_s,

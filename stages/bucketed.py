@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from ddp.buckets import Bucket, assign_buckets
+from ddp.buckets import Bucket, assign_buckets, sparse_gradient_names
 from ddp.spans import allreduce_span
 from stages.naive import NaiveDDP
 
@@ -34,8 +34,12 @@ class BucketedDDP(NaiveDDP):
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
         super().__init__(module, **options)
         self.bucket_cap_mb = bucket_cap_mb
-        # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket.
-        self.buckets = assign_buckets(list(module.named_parameters()), bucket_cap_mb)
+        # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket;
+        # a sparse gradient (nn.Embedding(sparse=True)) alone, as it is.
+        self._sparse = sparse_gradient_names(module)
+        self.buckets = assign_buckets(
+            list(module.named_parameters()), bucket_cap_mb, sparse=self._sparse
+        )
 
     # --8<-- [end:construction]
 
@@ -59,14 +63,20 @@ class BucketedDDP(NaiveDDP):
         # Already divided (sum of g/W = mean), as torch's reducer does: one pass over
         # the gradient instead of a copy and then a division. A view as `out` also
         # takes non-contiguous gradients.
-        torch.div(grad, self._grad_divisor(), out=bucket.view_of(i))
+        if grad.is_sparse:  # its bucket holds it alone: the buffer is the gradient
+            bucket.buffer = grad / self._grad_divisor()
+        else:
+            torch.div(grad, self._grad_divisor(), out=bucket.view_of(i))
 
     def _copy_out(self, bucket: Bucket) -> None:
         for i, param in enumerate(bucket.params):
             self._copy_grad_out(param, bucket.view_of(i))
 
     def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
-        param.grad.copy_(average)
+        if average.is_sparse:  # a new tensor, not the bucket's, which the next step reuses
+            param.grad = average.clone()
+        else:
+            param.grad.copy_(average)
 
     # --8<-- [end:finish]
 

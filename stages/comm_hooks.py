@@ -73,7 +73,9 @@ class CommHooksDDP(RebuiltBucketsDDP):
 
         def write_back(done: torch.futures.Future) -> torch.Tensor:
             result = done.value()
-            if result.data_ptr() != bucket.buffer.data_ptr():
+            if result.is_sparse:
+                bucket.buffer = result
+            elif result.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(result)  # e.g. a half-precision result, cast back
             return bucket.buffer
 

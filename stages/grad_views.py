@@ -37,8 +37,8 @@ class GradViewsDDP(BuffersDDP):
     # --8<-- [start:backward]
     def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         view = bucket.view_of(i)
-        if not self.gradient_as_bucket_view or grad is None:
-            super()._copy_in(bucket, i, grad)
+        if not self.gradient_as_bucket_view or grad is None or grad.is_sparse:
+            super()._copy_in(bucket, i, grad)  # a sparse gradient can be no view
         elif grad.data_ptr() == view.data_ptr():  # autograd summed into the bucket itself
             if self._grad_divisor() != 1:
                 grad.div_(self._grad_divisor())
@@ -50,13 +50,15 @@ class GradViewsDDP(BuffersDDP):
 
     # --8<-- [start:finish]
     def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
-        if self.gradient_as_bucket_view and param.grad is not None:
+        if self.gradient_as_bucket_view and param.grad is not None and not average.is_sparse:
             return  # .grad already is its view: the average is in place
         super()._copy_grad_out(param, average)
 
     def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
         # A parameter unused here but used elsewhere: its .grad becomes the view too.
-        return average if self.gradient_as_bucket_view else super()._new_grad(average)
+        if self.gradient_as_bucket_view and not average.is_sparse:
+            return average
+        return super()._new_grad(average)
 
     # --8<-- [end:finish]
 

@@ -65,7 +65,9 @@ class NaiveDDP(nn.Module):
         """Average every gradient over the ranks. Call after loss.backward()."""
         self._start_synchronization()
         for name, param in self.named_trainable:
-            grad = param.grad.contiguous()  # itself, unless transposed: NCCL needs contiguous
+            # Itself, unless transposed (NCCL needs contiguous tensors); a sparse gradient
+            # (nn.Embedding(sparse=True)) travels as it is.
+            grad = param.grad if param.grad.is_sparse else param.grad.contiguous()
             nbytes = grad.numel() * grad.element_size()
             with record_function(allreduce_span(name, nbytes)):  # a span in traces
                 dist.all_reduce(grad, group=self.process_group)  # the sum, in place

@@ -87,11 +87,12 @@ class RebuiltBucketsDDP(GradViewsDDP):
             # A small first bucket, never larger than the others.
             first_bucket_cap_mb=min(first_bucket_cap_mb or bucket_cap_mb, bucket_cap_mb),
             ready_order=True,
+            sparse=self._sparse,
         )
         self._register_hooks()
         self._prepare_for_backward()
         if self.gradient_as_bucket_view:  # gradients move into the new buffers
-            for bucket in self.buckets:
+            for bucket in (b for b in self.buckets if not b.buffer.is_sparse):
                 for i, param in enumerate(bucket.params):
                     if old_views[id(param)] is not None:
                         bucket.view_of(i).copy_(old_views[id(param)])

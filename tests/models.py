@@ -182,3 +182,15 @@ class Gated(nn.Module):
     def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
         h = torch.relu(self.norm(self.inp(x)))
         return self.out(self.a(h) + self.b(h) if use_b else self.a(h))
+
+
+class Bag(nn.Module):
+    """A sparse embedding (its gradients are sparse tensors) and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(1))
