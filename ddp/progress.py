@@ -5,7 +5,7 @@ On a terminal it is one line, redrawn in place as steps finish. Where the output
 a terminal (a log file, a pipe, CI) it prints nothing while a run goes, and one line when
 it finishes, so logs stay readable:
 
-    [3/16] overlapped · step 12/23 · 41.2 ms/step · ~14 s left      (terminal, redrawn)
+    [3/16] overlapped | step 12/23 | 41.2 ms/step | ~14 s left     (terminal, redrawn)
     [3/16] overlapped: 23 steps, 40.8 ms/step, 1.1 s; ~12 s left    (each finished run)
 
 It writes to stderr: stdout keeps the results, which people and tools read."""
@@ -36,10 +36,11 @@ class Progress:
         self.finished_work = 0.0  # planned work of the finished runs, even if one stopped early
         self.drawn_at = 0.0
 
-    def start(self, name: str, steps: int, work: float | None = None) -> None:
-        """Run `name` begins: `steps` steps holding `work` units (default: one per step)."""
+    def start(self, name: str, steps: int, work: float | None = None, unit: str = "step") -> None:
+        """Run `name` begins: `steps` steps (or epochs: `unit`) holding `work` units of
+        work (default: one per step)."""
         self.index += 1
-        self.name, self.steps = name, steps
+        self.name, self.steps, self.unit = name, steps, unit
         self.run_work = steps if work is None else work
         self.run_work_done = 0.0
         self.step_s: list[float] = []
@@ -60,15 +61,16 @@ class Progress:
         self.run_work_done = 0.0
         parts = []
         if self.step_s:
-            parts += [f"{len(self.step_s)} steps", f"{self._median_ms():.1f} ms/step"]
+            parts += [f"{len(self.step_s)} {self.unit}s", self._step_time()]
         parts += [summary] if summary else []
         if self.step_s:
             parts.append(duration(time.perf_counter() - self.run_started))
-        if self.index == self.runs:
-            left = f"all {self.runs} in {duration(time.perf_counter() - self.started)}"
-        else:
-            left = self._left()
-        self._print(f"[{self.index}/{self.runs}] {self.name}: {', '.join(parts)}; {left}")
+        line = f"[{self.index}/{self.runs}] {self.name}: {', '.join(parts)}"
+        if self.index < self.runs:
+            line += f"; {self._left()}"
+        elif self.runs > 1:
+            line += f"; all {self.runs} in {duration(time.perf_counter() - self.started)}"
+        self._print(line)
 
     def _draw(self, force: bool = False) -> None:
         now = time.perf_counter()
@@ -77,13 +79,13 @@ class Progress:
         self.drawn_at = now
         parts = [f"[{self.index}/{self.runs}] {self.name}"]
         parts += [self.detail] if self.detail else []
-        parts.append(f"step {len(self.step_s)}/{self.steps}")
+        parts.append(f"{self.unit} {len(self.step_s)}/{self.steps}")
         if self.step_s:
-            parts.append(f"{self._median_ms():.1f} ms/step")
+            parts.append(self._step_time())
         parts.append(self._left())
         # One terminal line, or the carriage return would redraw only its last part.
         width = shutil.get_terminal_size().columns - 1
-        self.stream.write("\r" + " · ".join(parts)[:width] + "\x1b[K")
+        self.stream.write("\r" + " | ".join(parts)[:width] + "\x1b[K")
         self.stream.flush()
 
     def _print(self, line: str) -> None:
@@ -91,8 +93,11 @@ class Progress:
             self.stream.write(("\r\x1b[K" if self.live else "") + line + "\n")
             self.stream.flush()
 
-    def _median_ms(self) -> float:
-        return statistics.median(self.step_s) * 1e3
+    def _step_time(self) -> str:
+        """The median step of the run so far: robust to a slow first step."""
+        seconds = statistics.median(self.step_s)
+        took = f"{seconds * 1e3:.1f} ms" if seconds < 1 else duration(seconds)
+        return f"{took}/{self.unit}"
 
     def _left(self) -> str:
         done = self.finished_work + self.run_work_done
