@@ -92,7 +92,6 @@ def test_a_bad_value_is_refused_with_the_usage_line_within_seconds(
     out = torchrun(2, "-m", "stages.naive", *args, timeout=60)
     seconds = time.perf_counter() - start
     assert out.returncode != 0
-    assert seconds < 5, f"took {seconds:.1f} s"
     # Once, from rank 0: every rank parses the same arguments, only rank 0 says so.
     assert out.stderr.count("usage: torchrun ... -m stages.naive") == 1, out.stderr
     assert out.stderr.count(message) == 1, out.stderr
@@ -105,6 +104,8 @@ def test_a_bad_value_is_refused_with_the_usage_line_within_seconds(
     # Rank 0, which printed why, is the root cause torchrun names, with argparse's status.
     root_cause = out.stderr.split("Root Cause", 1)[1]
     assert re.search(r"rank\s+: 0 .*\n\s+exitcode\s+: 2\b", root_cause), root_cause
+    # Before any process group or model: about the time torchrun and `import torch` take.
+    assert seconds < 5, f"took {seconds:.1f} s"
 
 
 def test_naive_refuses_a_bucket_cap(capsys) -> None:
@@ -166,9 +167,10 @@ def test_main_job_table_and_progress_on_a_pipe() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     names = list(standard_runs())
     assert_table_aligned(out.stdout, names)
-    # Not a terminal: no redrawing, one line per finished run, from rank 0 alone.
+    # Not a terminal: no redrawing, one line per finished run, from rank 0 alone, and
+    # nothing else (torchrun prints its OMP_NUM_THREADS notice only when that is unset).
     assert "\r" not in out.stderr and "\x1b" not in out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.startswith("[")]
+    lines = out.stderr.splitlines()
     assert len(lines) == len(names), out.stderr
     for i, (line, name) in enumerate(zip(lines, names, strict=True), start=1):
         match = PROGRESS_LINE.match(line)
