@@ -63,7 +63,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            choices = f.metadata["choices"]
+            choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(
                     f"{flag(f.name)} must be one of {', '.join(choices)}, "

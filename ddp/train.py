@@ -261,9 +261,8 @@ def format_table(
     name_width = max(len("run"), *(len(r.name) for r in results))
     ratio = f"vs {reference}" if base else ""
     agree = "replicas identical"
-    lines.append(
-        "  ".join([f"{'run':<{name_width}}", f"{'step ms':>9}", *[ratio] * bool(base), agree])
-    )
+    header = [f"{'run':<{name_width}}", f"{'step ms':>9}"] + ([ratio] if base else [])
+    lines.append("  ".join([*header, agree]))
     for r in results:
         cells = [f"{r.name:<{name_width}}", f"{r.median_step_s * 1e3:>9.2f}"]
         if base:

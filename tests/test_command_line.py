@@ -63,8 +63,9 @@ def test_help_names_every_field_with_its_default(stage: str, capsys) -> None:
 
 
 def test_main_job_help_shows_descriptions_defaults_and_choices() -> None:
-    out = torchrun(1, "-m", "stages", "--help", timeout=60)
+    out = torchrun(2, "-m", "stages", "--help", timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("usage: torchrun ... -m stages") == 1  # rank 0's, not one per rank
     entries = help_entries(out.stdout)
     for f in dataclasses.fields(Config):
         assert f"(default: {shown_default(f.default)})" in entries["--" + f.name.replace("_", "-")]
