@@ -1,58 +1,235 @@
-"""The command line every stage shares: one dataclass, parsed with argparse."""
+"""The command line every stage shares: one dataclass, parsed with argparse.
+
+Each field carries its own description (and, where only some values work, its choices),
+so `--help` and the checks that refuse a bad value come from the same place as the
+default. Under torchrun every rank parses the same arguments; only rank 0 speaks, so a
+refusal or `--help` appears once, not once per rank."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, NoReturn
+
+from ddp.models import MODELS
+
+BACKENDS = ("gloo", "nccl", "auto")
+
+
+def option(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None
+) -> Any:
+    """A field with its `--help` text, and if only some values work, its choices; `metavar`
+    names its value in --help (default: N for integers, X for other numbers)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
 
 
 @dataclass
 class Config:
-    model: str = "mlp"  # mlp | cnn | transformer | frozen
-    width: int = 256  # MLP units per layer; 2048 with depth 7 is ~25M parameters
-    depth: int = 3  # MLP layers
-    steps: int = 20  # timed optimizer steps
-    warmup_steps: int = 3  # untimed steps first (allocations, lazy init)
-    batch_size: int = 32  # samples per rank per step; the global batch is W times this
-    global_batch_size: int = 0  # if > 0, overrides batch_size: split over the W ranks
-    accumulation_steps: int = 1  # micro-batches per step; no_sync() on all but the last
-    bucket_cap_mb: float = 25.0  # MiB of gradient bytes per bucket, as in torch's DDP
-    backend: str = "auto"  # gloo | nccl | auto (nccl when CUDA is there)
-    lr: float = 0.01  # SGD learning rate (momentum 0.9)
-    seed: int = 0  # data seed; model init is deliberately seeded per rank
-    profile_dir: str = ""  # if set, write torch.profiler traces and scalars under it
-    profile_steps: int = 3  # steps traced, after the warm-up steps
+    model: str = option(
+        "mlp",
+        "the model every rank trains: mlp (--width x --depth), cnn (BatchNorm, many small "
+        "parameters), transformer (one block, tied embedding), frozen (an MLP whose first "
+        "layer does not train)",
+        choices=tuple(MODELS),
+    )
+    width: int = option(256, "MLP units per layer; 2048 with --depth 7 is ~25M parameters")
+    depth: int = option(3, "MLP layers")
+    steps: int = option(20, "timed optimizer steps")
+    warmup_steps: int = option(3, "untimed steps first (allocations, lazy init)")
+    batch_size: int = option(32, "samples per rank per step; the global batch is W times this")
+    global_batch_size: int = option(
+        0, "if > 0, replaces --batch-size: samples per step over all W ranks (a multiple of W)"
+    )
+    accumulation_steps: int = option(
+        1, "micro-batches per optimizer step; no_sync() on all but the last"
+    )
+    bucket_cap_mb: float = option(
+        25.0, "MiB of gradient bytes per bucket, as in torch's DDP", metavar="MIB"
+    )
+    backend: str = option(
+        "auto", "gloo (CPU), nccl (one GPU per rank), or auto: nccl where CUDA is", BACKENDS
+    )
+    lr: float = option(0.01, "SGD learning rate (momentum 0.9)")
+    seed: int = option(0, "data seed; model init is seeded per rank on purpose")
+    profile_dir: str = option(
+        "", "write torch.profiler traces and TensorBoard scalars under DIR/<run>", metavar="DIR"
+    )
+    profile_steps: int = option(3, "steps traced with --profile-dir, after the warm-up steps")
 
     def __post_init__(self) -> None:
-        for name in (
-            "width",
-            "depth",
-            "steps",
-            "batch_size",
-            "accumulation_steps",
-            "profile_steps",
-        ):
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{flag(f.name)} must be one of {', '.join(choices)}, "
+                    f"got {getattr(self, f.name)!r}"
+                )
+        for name in ("width", "depth", "steps", "batch_size", "accumulation_steps"):
             if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size < 0:
             raise ValueError(f"--global-batch-size must be >= 0, got {self.global_batch_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be > 0 MiB, got {self.bucket_cap_mb}")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number >= 0, got {self.lr}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be >= 1, got {self.profile_steps}")
+        # The profiler warms itself up on the last warm-up step (or on the first timed
+        # step when there is none); asked for more, it would trace fewer steps, silently.
+        traceable = self.steps if self.warmup_steps else self.steps - 1
+        if self.profile_dir and self.profile_steps > traceable:
+            raise ValueError(
+                f"--profile-steps {self.profile_steps} is more than the {traceable} steps that "
+                f"can be traced with --steps {self.steps} --warmup-steps {self.warmup_steps}; "
+                "raise --steps or lower --profile-steps"
+            )
 
     def global_batch(self, world_size: int) -> int:
         """Samples per micro-batch over all ranks: --global-batch-size, else W x --batch-size."""
         return self.global_batch_size or self.batch_size * world_size
 
 
-def parse_config(argv: list[str] | None = None, description: str | None = None) -> Config:
-    """Config from the command line: one --flag per field, defaults from the dataclass."""
-    parser = argparse.ArgumentParser(description=description)
-    for f in dataclasses.fields(Config):
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=type(f.default), default=f.default
+def flag(name: str) -> str:
+    """The command-line flag of field `name`: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse that speaks on rank 0 only. Under torchrun every rank parses the same
+    arguments: the others exit with the same status, silently, instead of printing the
+    same usage block (or --help) once per rank."""
+
+    QUIET_RANK_WAIT_S = 5.0
+
+    def print_usage(self, file: IO[str] | None = None) -> None:
+        if rank_zero():
+            super().print_usage(file)
+
+    def print_help(self, file: IO[str] | None = None) -> None:
+        if rank_zero():
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if status and not rank_zero():
+            # torchrun stops every rank as soon as one fails, and names the first to fail
+            # as the root cause: leave that to rank 0, the one that says why, instead of
+            # stopping it before it has printed. Bounded, in case rank 0 parsed fine.
+            time.sleep(self.QUIET_RANK_WAIT_S)
+        super().exit(status, message if rank_zero() else None)
+
+
+def rank_zero() -> bool:
+    """Whether this process is rank 0, or not under torchrun at all: the one that prints."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (they hold command lines), options in a wide column."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+METAVARS = {int: "N", float: "X"}
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    dataclass_type: type,
+    help: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+    not_applicable: dict[str, str] | None = None,
+) -> None:
+    """One --flag per field of `dataclass_type`, its help from the field's metadata
+    (`help` overrides it by name, `defaults` the default), with the default and any
+    choices shown. A field in `not_applicable` is listed as not applying, for the
+    reason given, and refused if given (see `check_not_applicable`)."""
+    help, defaults, not_applicable = help or {}, defaults or {}, not_applicable or {}
+    for f in dataclasses.fields(dataclass_type):
+        default = defaults.get(f.name, f.default)
+        text = help.get(f.name, f.metadata.get("help", ""))
+        choices = f.metadata.get("choices")
+        metavar = f.metadata.get("metavar") or METAVARS.get(type(f.default), "TEXT")
+        kwargs = {"type": type(f.default), "metavar": None if choices else metavar}
+        if f.name in not_applicable:
+            text = f"does not apply: {not_applicable[f.name]}"
+            kwargs["default"] = argparse.SUPPRESS
+        elif isinstance(f.default, bool):
+            kwargs = {"action": "store_true"}
+        else:
+            text += f" (default: {'off' if default == '' else default})"
+            kwargs.update(default=default, choices=choices)
+        # argparse %-formats help strings: a literal % must be doubled.
+        parser.add_argument(flag(f.name), help=text.replace("%", "%%"), **kwargs)
+
+
+def check_not_applicable(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, not_applicable: dict[str, str]
+) -> None:
+    """Refuse, with the usage line, any option given that does not apply."""
+    for name, why in not_applicable.items():
+        if name in vars(args):
+            parser.error(f"{flag(name)} does not apply: {why}")
+
+
+def config_parser(
+    module: str, description: str | None = None, not_applicable: dict[str, str] | None = None
+) -> RankZeroParser:
+    """The parser of `torchrun ... -m MODULE`: every Config field, described."""
+    parser = RankZeroParser(
+        prog=f"torchrun ... -m {module}",
+        description=description,
+        formatter_class=HelpFormatter,
+        epilog="torchrun's own options (--nproc-per-node, --nnodes, ...) go before -m.",
+        allow_abbrev=False,  # --b could mean --batch-size or --bucket-cap-mb
+    )
+    add_options(parser, Config, not_applicable=not_applicable)
+    return parser
+
+
+def parse_config(
+    argv: list[str] | None = None,
+    *,
+    module: str,
+    description: str | None = None,
+    not_applicable: dict[str, str] | None = None,
+) -> Config:
+    """Config from the command line of `torchrun ... -m MODULE`. Refuses with the usage
+    line, before any process group or model exists: a value no run could use, an option in
+    `not_applicable`, and what this launch cannot do (no torchrun, nccl without CUDA, a
+    global batch that does not split over WORLD_SIZE ranks)."""
+    not_applicable = not_applicable or {}
+    parser = config_parser(module, description, not_applicable)
+    args = parser.parse_args(argv)
+    check_not_applicable(parser, args, not_applicable)
+    try:
+        cfg = Config(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        parser.error(
+            "RANK and WORLD_SIZE are not set: launch with torchrun, e.g. "
+            f"`torchrun --standalone --nproc-per-node 2 -m {module}`"
         )
-    return Config(**vars(parser.parse_args(argv)))
+    world = int(os.environ["WORLD_SIZE"])
+    if cfg.global_batch(world) % world:
+        parser.error(
+            f"global batch {cfg.global_batch(world)} does not split over {world} ranks; "
+            f"pick a multiple of {world} for --global-batch-size"
+        )
+    if cfg.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--backend nccl needs CUDA, and torch sees no GPU; use gloo or auto")
+    return cfg

@@ -27,6 +27,7 @@ from ddp.dist import (
     teardown_process_group,
 )
 from ddp.models import build_model
+from ddp.progress import Progress
 
 Wrap = Callable[[nn.Module, Config], nn.Module]
 
@@ -56,8 +57,11 @@ class RunResult:
         return statistics.median(self.step_times_s)
 
 
-def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult:
-    """Train `cfg.model` wrapped by `wrap` for cfg.warmup_steps + cfg.steps steps."""
+def train(
+    name: str, wrap: Wrap, cfg: Config, device: torch.device, progress: Progress | None = None
+) -> RunResult:
+    """Train `cfg.model` wrapped by `wrap` for cfg.warmup_steps + cfg.steps steps,
+    reporting each step to `progress` (rank 0 prints it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     global_batch = cfg.global_batch(world)
     split_batch(global_batch, rank, world)  # fail before any collective if it does not split
@@ -69,6 +73,8 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
     times = []
     tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
+    if progress is not None:
+        progress.start(name, cfg.warmup_steps + cfg.steps)
     for step in range(cfg.warmup_steps + cfg.steps):
         micro_batches = make_micro_batches(model, cfg, step, device)
         synchronize(device)
@@ -80,16 +86,21 @@ def train(name: str, wrap: Wrap, cfg: Config, device: torch.device) -> RunResult
             times.append(step_s)
         if tracing is not None:
             tracing.step(step, loss.item(), optimizer.param_groups[0]["lr"], step_s)
+        if progress is not None:
+            progress.step(step_s)
     if tracing is not None:
         tracing.close()
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return RunResult(
+    result = RunResult(
         name=name,
         step_times_s=slowest.tolist(),
         replicas_identical=replicas_identical(model),
         final_loss=loss.item(),
     )
+    if progress is not None:
+        progress.finish()
+    return result
 
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -216,35 +227,82 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def print_table(results: list[RunResult], cfg: Config, reference: str | None = None) -> None:
-    """Rank 0 prints one row per run: median step time, ratio to `reference`, replicas."""
-    if dist.get_rank() != 0:
-        return
+def print_table(
+    results: list[RunResult], cfg: Config, reference: str | None = None, buckets: bool = True
+) -> None:
+    """Rank 0 prints the table of `format_table`."""
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        # Every rank on this one machine: the ranks talk over loopback, not a network.
+        loopback = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)
+        print(format_table(results, cfg, world, dist.get_backend(), reference, loopback, buckets))
+
+
+def format_table(
+    results: list[RunResult],
+    cfg: Config,
+    world: int,
+    backend: str,
+    reference: str | None = None,
+    loopback: bool = True,
+    buckets: bool = True,
+) -> str:
+    """The workload, then one row per run (median step time, its ratio to `reference`'s,
+    whether the replicas are identical), then what the ratio means. `buckets`: whether the
+    bucket cap applies to any run (the naive stage has none)."""
     base = next((r.median_step_s for r in results if r.name == reference), None)
-    print(
-        f"\nmodel={cfg.model} world={dist.get_world_size()} backend={dist.get_backend()} "
-        f"global batch={cfg.global_batch(dist.get_world_size())} "
-        f"accumulation={cfg.accumulation_steps} bucket_cap_mb={cfg.bucket_cap_mb} "
-        f"steps={cfg.steps} (median of the slowest rank per step)"
-    )
-    header = f"{'run':<14} {'step ms':>9}" + (f" {'vs ' + reference:>16}" if base else "")
-    print(header + f" {'replicas identical':>20}")
+    lines = [
+        f"\nmodel={cfg.model} world={world} backend={backend} "
+        f"global batch={cfg.global_batch(world)} accumulation={cfg.accumulation_steps} "
+        + (f"bucket_cap_mb={cfg.bucket_cap_mb} " if buckets else "")
+        + f"steps={cfg.steps} (median of the slowest rank per step)"
+    ]
+    # Every column as wide as its widest cell: run names differ in length (rebuilt_buckets).
+    name_width = max(len("run"), *(len(r.name) for r in results))
+    ratio = f"vs {reference}" if base else ""
+    agree = "replicas identical"
+    header = [f"{'run':<{name_width}}", f"{'step ms':>9}"] + ([ratio] if base else [])
+    lines.append("  ".join([*header, agree]))
     for r in results:
-        ratio = f" {r.median_step_s / base:>15.2f}x" if base else ""
-        agree = "n/a (no sync)" if r.name == "compute_only" else str(r.replicas_identical)
-        print(f"{r.name:<14} {r.median_step_s * 1e3:>9.2f}{ratio} {agree:>20}")
+        cells = [f"{r.name:<{name_width}}", f"{r.median_step_s * 1e3:>9.2f}"]
+        if base:
+            cells.append(f"{r.median_step_s / base:.2f}x".rjust(len(ratio)))
+        identical = "n/a (no sync)" if r.name == "compute_only" else str(r.replicas_identical)
+        lines.append("  ".join([*cells, identical.rjust(len(agree))]))
+    if base:
+        noise = " On loopback most such gaps are within noise:" if loopback else ""
+        noise += " docs/benchmarks.md compares the stages on a shaped 1 Gbit network."
+        lines.append(f"{ratio} = step ms / {reference}'s; below 1.00x is faster.{noise}")
+    return "\n".join(lines)
 
 
 def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult:
     """What `torchrun ... -m stages.<name>` runs: train, then report and check."""
     stage_name = Path(inspect.getfile(stage_cls)).stem  # stages/<name>.py, also as __main__
-    cfg = parse_config(argv, description=stage_cls.__doc__)
+    buckets = "bucket_cap_mb" in keyword_options(stage_cls)
+    cfg = parse_config(
+        argv,
+        module=f"stages.{stage_name}",
+        description=stage_description(stage_cls, stage_name),
+        not_applicable={}
+        if buckets
+        else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"},
+    )
     device = setup_process_group(cfg.backend)
     try:
-        result = train(stage_name, stage_wrap(stage_cls), cfg, device)
-        print_table([result], cfg)
+        progress = Progress(runs=1, work=cfg.warmup_steps + cfg.steps)
+        result = train(stage_name, stage_wrap(stage_cls), cfg, device, progress)
+        print_table([result], cfg, buckets=buckets)
         if not result.replicas_identical:
             raise SystemExit(f"rank {os.environ['RANK']}: replicas differ after training")
         return result
     finally:
         teardown_process_group()
+
+
+def stage_description(stage_cls: type[nn.Module], stage_name: str) -> str:
+    """--help's description: the stage module's first line and example command line."""
+    doc = inspect.getmodule(stage_cls).__doc__ or ""
+    paragraphs = doc.strip().split("\n\n")
+    examples = [p for p in paragraphs if p.lstrip().startswith("torchrun")]
+    return "\n\n".join([paragraphs[0], *examples, f"More: docs/stages/{stage_name}.md"])

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     out = Path(args.out or logdir)
     figures = Path(args.figures or out)
 
+    print(f"reading the traces under {logdir}", file=sys.stderr, flush=True)  # can take a while
     try:
         traces = read_logdir(logdir)
         results = analyse_runs(traces)

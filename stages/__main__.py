@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
+from ddp.progress import Progress
 from ddp.train import print_table, train
 from stages import standard_runs
 
 
 def main() -> None:
-    cfg = parse_config(description=__doc__)
+    cfg = parse_config(module="stages", description=__doc__)
     device = setup_process_group(cfg.backend)
     runs = standard_runs()
     try:
-        results = [train(name, wrap, cfg, device) for name, wrap in runs.items()]
+        progress = Progress(runs=len(runs), work=len(runs) * (cfg.warmup_steps + cfg.steps))
+        results = [train(name, wrap, cfg, device, progress) for name, wrap in runs.items()]
         print_table(results, cfg, reference="torch_ddp")
         if not all(r.replicas_identical for r in results if r.name != "compute_only"):
             raise SystemExit("replicas differ after training")

@@ -3,12 +3,18 @@ and --sweep."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 
 import profiling.bench
-from ddp.config import Config
+from ddp.config import (
+    Config,
+    HelpFormatter,
+    RankZeroParser,
+    add_options,
+    check_not_applicable,
+    option,
+)
 
 REFERENCE = "torch_ddp"
 FLOOR = "compute_only"
@@ -26,81 +32,95 @@ DEPENDS_ON = {
 
 @dataclass
 class BenchOptions:
-    nproc: int = 2  # ranks to launch; under torchrun, WORLD_SIZE decides instead
-    rounds: int = 10  # interleaved rounds; every variant runs in every round
-    round_warmup: int = 1  # untimed steps per variant at the start of each round
-    variants: str = "all"  # comma-separated subset of compute_only, the stages, torch_ddp
-    json: str = ""  # write the results here as JSON ("" = don't)
-    markdown: str = ""  # write the table here as a markdown fragment ("" = don't)
-    merge: bool = False  # keep other workloads already in --json; render all of them
-    network: str = "loopback"  # or a rate, e.g. 1gbit: one shaped namespace per rank
-    sweep: str = ""  # FIELD=v1,v2,...: every variant once per value, all interleaved
-    plot: str = ""  # write a PNG of the results here ("" = don't)
-    render: str = ""  # run nothing: render this results JSON to --markdown and --plot
+    nproc: int = option(2, "ranks to launch with torchrun (under torchrun, WORLD_SIZE decides)")
+    rounds: int = option(10, "interleaved rounds; each runs every variant, order rotated by one")
+    round_warmup: int = option(1, "untimed steps per variant at the start of each round")
+    variants: str = option(
+        "all",
+        "comma-separated subset of compute_only, communication_alone, the stages and "
+        "torch_ddp, or all (the bound needs compute_only and communication_alone)",
+        metavar="NAMES",
+    )
+    json: str = option("", "write the results as JSON to this path", metavar="PATH")
+    markdown: str = option(
+        "", "write the results as a markdown fragment to this path", metavar="PATH"
+    )
+    merge: bool = option(
+        False, "keep the other workloads already in --json; render all to --markdown and --plot"
+    )
+    network: str = option(
+        "loopback",
+        "loopback, or a rate (1gbit, 500mbit): each rank in a network namespace of its own, "
+        "linked at that rate each way (profiling.cluster; needs root)",
+        metavar="RATE",
+    )
+    sweep: str = option(
+        "",
+        "FIELD=v1,v2,...: run every variant once per value, interleaved in the same rounds; "
+        f"FIELD is one of {', '.join(SWEEPABLE)}",
+        metavar="FIELD=VALUES",
+    )
+    plot: str = option(
+        "",
+        "write a PNG of the results (with --merge, of every workload in --json)",
+        metavar="PATH",
+    )
+    render: str = option(
+        "",
+        "run nothing: read this JSON (as --json wrote it) and write --markdown and --plot "
+        "from it, e.g. after changing how they look",
+        metavar="PATH",
+    )
 
 
-_HELP = {
-    "nproc": "ranks to launch with torchrun (ignored under torchrun: WORLD_SIZE decides)",
-    "rounds": "interleaved rounds; each runs every variant, order rotated by one",
-    "round_warmup": "untimed steps per variant at the start of each round",
-    "variants": "comma-separated subset of compute_only, communication_alone, the stages\n"
-    "and torch_ddp, or all (the bound needs compute_only and communication_alone)",
-    "json": "write the results as JSON to this path",
-    "markdown": "write the results as a markdown fragment to this path",
-    "merge": "keep the other workloads already in --json and render them all to --markdown\n"
-    "and --plot",
-    "sweep": "FIELD=v1,v2,...: run every variant once per value, interleaved in the same\n"
-    f"rounds; FIELD is one of {', '.join(SWEEPABLE)}",
-    "plot": "write a PNG of the results (with --merge, of every workload in --json)",
-    "render": "run nothing: read this JSON (as --json wrote it) and write --markdown and\n"
-    "--plot from it, e.g. after changing how they look",
-    "network": "loopback, or a rate (1gbit, 500mbit): each rank in a network namespace of\n"
-    "its own, linked at that rate each way (profiling.cluster; needs root)",
+# Config's fields mean something a little different here.
+CONFIG_HELP = {
     "steps": "timed steps per variant per round",
     "warmup_steps": "untimed steps per variant once, before the first round",
+}
+# A round is a few steps per variant, not a whole run: Config's default of 20 would make
+# each round long enough for the noise to differ between variants again.
+CONFIG_DEFAULTS = {"steps": 5}
+# Tracing costs time inside the steps being timed; traces come from a stage run.
+NOT_APPLICABLE = {
+    "profile_dir": "tracing would time itself; profile with -m stages.<name>",
+    "profile_steps": "nothing is traced here",
 }
 
 
 def parse_options(argv: list[str]) -> tuple[BenchOptions, Config]:
     """The benchmark's own options plus every `Config` flag, in one parser (one --help)."""
-    parser = argparse.ArgumentParser(
+    parser = RankZeroParser(
         prog="python -m profiling.bench",
         description=profiling.bench.__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawTextHelpFormatter,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # --b could mean --batch-size or --bucket-cap-mb
     )
-    for dc in (BenchOptions, Config):
-        for f in dataclasses.fields(dc):
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(f.default, bool):
-                parser.add_argument(flag, action="store_true", help=_HELP.get(f.name))
-            else:
-                parser.add_argument(
-                    flag, type=type(f.default), default=f.default, help=_HELP.get(f.name)
-                )
-    # A round is a few steps per variant, not a whole run: Config's default of 20 would
-    # make each round long enough for the noise to differ between variants again.
-    parser.set_defaults(steps=5)
-    args = vars(parser.parse_args(argv))
+    add_options(parser, BenchOptions)
+    add_options(parser, Config, CONFIG_HELP, CONFIG_DEFAULTS, NOT_APPLICABLE)
+    args = parser.parse_args(argv)
+    check_not_applicable(parser, args, NOT_APPLICABLE)
+    args = vars(args)
     bench_names = {f.name for f in dataclasses.fields(BenchOptions)}
     opts = BenchOptions(**{k: v for k, v in args.items() if k in bench_names})
-    cfg = Config(**{k: v for k, v in args.items() if k not in bench_names})
+    try:
+        cfg = Config(**{k: v for k, v in args.items() if k not in bench_names})
+    except ValueError as error:
+        parser.error(str(error))
     if opts.network != "loopback":
         from profiling.cluster.network import parse_rate
 
         try:
             parse_rate(opts.network)
         except ValueError as error:
-            raise SystemExit(f"--network: {error}, or loopback") from None
+            parser.error(f"--network: {error}, or loopback")
     if opts.sweep:
         try:
             sweep_configs(cfg, opts.sweep)
         except ValueError as error:
-            raise SystemExit(f"--sweep: {error}") from None
+            parser.error(f"--sweep: {error}")
     if opts.nproc < 1 or opts.rounds < 1 or opts.round_warmup < 0:
-        raise SystemExit("--nproc and --rounds must be >= 1, --round-warmup >= 0")
-    if cfg.profile_dir:
-        # Tracing costs time inside the steps being timed; traces come from a stage run.
-        raise SystemExit("--profile-dir does not apply here: profile with -m stages.<name>")
+        parser.error("--nproc and --rounds must be >= 1, --round-warmup >= 0")
     return opts, cfg
 
 

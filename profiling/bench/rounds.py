@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ddp.config import Config
 from ddp.data import split_batch
 from ddp.dist import replicas_identical, setup_process_group, teardown_process_group
+from ddp.progress import Progress
 from profiling.bench.options import (
     COMM,
     DEPENDS_ON,
@@ -73,11 +74,21 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
                 variants.append(build_variant(n, wraps[n], c, device, value))
     model = variants[0].model  # every variant's model has the same type: same batches
 
+    # Rank 0 shows the warm-up, then each round, as runs of steps.
+    warmup_steps = len(variants) * cfg.warmup_steps
+    round_steps = len(variants) * (opts.round_warmup + cfg.steps)
+    progress = Progress(bool(warmup_steps) + opts.rounds, warmup_steps + opts.rounds * round_steps)
+
     # Warm-up once: allocations, lazy init, and torch DDP's bucket rebuild after step 1.
     warm = {batch_key(c): make_batches(model, c, 0, cfg.warmup_steps, device) for _, c in configs}
+    if warmup_steps:
+        progress.start("warm-up", warmup_steps)
     for variant in variants:
         for micro_batches in warm[batch_key(variant.cfg)]:
-            step(variant, micro_batches, device)
+            seconds, _, _ = step(variant, micro_batches, device)
+            progress.step(seconds, detail=variant.name)
+    if warmup_steps:
+        progress.finish()
     del warm
 
     started = time.perf_counter()
@@ -89,17 +100,20 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
         round_batches = {
             batch_key(c): make_batches(model, c, first, per_round, device) for _, c in configs
         }
+        progress.start(f"round {r + 1}", round_steps)
         for variant in order:
             # The first step after a switch can pay for the previous variant having
             # pushed this one's memory out of cache: an artifact of interleaving.
             for i, micro_batches in enumerate(round_batches[batch_key(variant.cfg)]):
                 seconds, forward_s, optimizer_s = step(variant, micro_batches, device)
+                progress.step(seconds, detail=variant.name)
                 if i >= opts.round_warmup:
                     variant.step_times_s.append(seconds)
                     variant.step_rounds.append(r)
                     if forward_s is not None:
                         variant.forward_s.append(forward_s)
                         variant.optimizer_s.append(optimizer_s)
+        progress.finish()
     elapsed = time.perf_counter() - started
 
     def slowest(times: list[float]) -> list[float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddp.progress import Progress
 from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
 from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
 from profiling.large_batch.param_groups import no_decay_param_groups
@@ -97,10 +99,11 @@ def train_run(
     seed: int,
     process_group: dist.ProcessGroup | None = None,
     keep_params: bool = False,
+    progress: Progress | None = None,
 ) -> Run:
     """Train one run. Under a process group (the default one, or `process_group`), this
     rank simulates k/W of the k workers. `keep_params` puts the final parameters in
-    the result (for the tests)."""
+    the result (for the tests); `progress` hears of every epoch."""
     distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
     rank, world = (
         (dist.get_rank(process_group), dist.get_world_size(process_group))
@@ -124,6 +127,7 @@ def train_run(
     n = s.per_worker_batch
     run = Run(workers, variant, seed, workers * n, lr, iters)
     for epoch in range(s.epochs):
+        epoch_started = time.perf_counter()
         model.train()
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wrong, samples
         # --8<-- [start:step]
@@ -148,6 +152,8 @@ def train_run(
         run.train_loss.append(totals[0].item() / totals[2].item())
         run.train_error.append(totals[1].item() / totals[2].item())
         run.val_error.append(evaluate(model, data))
+        if progress is not None:
+            progress.step(time.perf_counter() - epoch_started)
         if not math.isfinite(run.train_loss[-1]):
             run.diverged = True
             break
@@ -179,6 +185,10 @@ def plan(s: Settings) -> list[tuple[int, str, int]]:
     return jobs
 
 
+def _name(k: int, variant: str, seed: int) -> str:
+    return f"k={k} {variant} seed={seed}"
+
+
 def _one(args: tuple[Settings, int, str, int]) -> Run:
     s, k, variant, seed = args
     return train_run(s, _data(s), k, variant, seed)
@@ -197,6 +207,9 @@ def _data(s: Settings) -> Split:
 def run_all(s: Settings) -> list[Run]:
     jobs = plan(s)
     distributed = dist.is_available() and dist.is_initialized()
+    # Every epoch of every run sees all the training samples once, whatever k: about
+    # the same work, so epochs measure what is left.
+    progress = Progress(len(jobs), len(jobs) * s.epochs)
     if s.jobs > 1 and not distributed:
         import multiprocessing as mp
 
@@ -204,18 +217,20 @@ def run_all(s: Settings) -> list[Run]:
         with mp.get_context("spawn").Pool(
             s.jobs, initializer=torch.set_num_threads, initargs=(1,)
         ) as p:
-            runs = p.map(_one, [(s, *job) for job in jobs], chunksize=1)
+            runs = []
+            # In order, as each finishes: the jobs run side by side, so only finished
+            # runs can be reported, not their epochs.
+            for job, run in zip(jobs, p.imap(_one, [(s, *job) for job in jobs]), strict=True):
+                runs.append(run)
+                progress.start(_name(*job), s.epochs)
+                progress.finish(f"val error {run.final_val_error:.4f}")
     else:
         runs = []
-        for i, job in enumerate(jobs):
-            runs.append(_one((s, *job)))
-            if not distributed or dist.get_rank() == 0:
-                r = runs[-1]
-                print(
-                    f"[{i + 1}/{len(jobs)}] k={r.workers} {r.variant} seed={r.seed}: "
-                    f"val error {r.final_val_error:.4f}",
-                    flush=True,
-                )
+        for job in jobs:
+            data = _data(s)  # made once, before the first run's clock starts
+            progress.start(_name(*job), s.epochs, unit="epoch")
+            runs.append(train_run(s, data, *job, progress=progress))
+            progress.finish(f"val error {runs[-1].final_val_error:.4f}")
     # Where the four rules coincide, every variant's row shows the one run.
     out = []
     for r in runs:
