@@ -23,7 +23,7 @@ $(WEBCOMPONENTS):
 	tar -xzf webcomponents.js-0.7.24.tgz --no-same-owner --strip-components=1 package/webcomponents.min.js && \
 	rm webcomponents.js-0.7.24.tgz
 
-.PHONY: demo test docs browser
+.PHONY: demo test docs browser conformance
 demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Gloo ranks
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m stages --model cnn --steps 10
 
@@ -34,3 +34,12 @@ test: $(BIN)/.installed browser  ## lint, the whole suite, and the strict docs b
 
 docs: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+# torch's own DDP tests (shipped in the wheel), CPU Gloo, 2 ranks: with torch's DDP, then with
+# the drop-in swapped in, and a comparison that fails if the drop-in fails one that torch's
+# passes (less those that read torch's internals). About 15 minutes on 2 cores each.
+conformance: $(BIN)/.installed  ## torch's own DDP tests against the drop-in
+	mkdir -p runs/conformance
+	-DDP=torch $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/torch.xml
+	-DDP=ours $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/ours.xml
+	$(BIN)/python -m tests.conformance.report runs/conformance/torch.xml runs/conformance/ours.xml

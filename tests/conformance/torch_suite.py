@@ -1,0 +1,48 @@
+"""torch's own DistributedDataParallel tests, run against the drop-in.
+
+torch ships its distributed tests in the wheel (`torch.testing._internal.distributed.
+distributed_test`); its own repository runs them through a small module like this one,
+with one process per rank spawned for each test. Here, before the test module is
+imported, `torch.nn.parallel.DistributedDataParallel` is replaced by
+`stages.drop_in.DistributedDataParallel` (unless DDP=torch), in the parent and in every
+spawned rank, since each rank imports this module again.
+
+    make conformance                    # ours, the CPU selection, then torch's, and a table
+    DDP=torch .venv/bin/pytest tests/conformance/torch_suite.py -k test_ddp_comm_hook
+
+Not collected by the default `pytest` run (the file name has no test_ prefix): it takes
+minutes. The default run executes `tests/test_conformance.py`, a subset.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Read by torch's test module at import: Gloo on CPU, 2 ranks, a folder for its barriers.
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ddp-conformance-"))
+
+import torch.nn.parallel  # noqa: E402
+
+from stages.drop_in import DistributedDataParallel  # noqa: E402
+
+OURS = os.environ.get("DDP", "ours") == "ours"
+if OURS:  # before torch's test module binds the name
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+
+import torch.testing._internal.distributed.distributed_test as distributed_test  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+if OURS:
+    distributed_test.DistributedDataParallel = DistributedDataParallel
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
