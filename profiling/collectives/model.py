@@ -181,10 +181,8 @@ def fit(rows: list[dict], gamma: float) -> dict[str, dict]:
             (_fit_alpha_beta(algorithm, train, gamma, free) for free in FREE_BYTES_GRID),
             key=lambda f: f["squared_error"],
         )
-        best["fitted"] = _errors(best, algorithm, train)
-        best["held_out"] = _errors(
-            best, algorithm, [r for r in mine if r["size_bytes"] in held_out]
-        )
+        best["fitted"] = errors(best, algorithm, train)
+        best["held_out"] = errors(best, algorithm, [r for r in mine if r["size_bytes"] in held_out])
         fits[algorithm] = best
     return fits
 
@@ -216,7 +214,7 @@ def _fit_alpha_beta(algorithm: str, rows: list[dict], gamma: float, free: float)
     }  # fmt: skip
 
 
-def _errors(fit: dict, algorithm: str, rows: list[dict], delay_s: float = 0) -> dict:
+def errors(fit: dict, algorithm: str, rows: list[dict], delay_s: float = 0) -> dict:
     """Relative error |predicted - measured| / measured: median, worst, and where."""
     if not rows:
         return {"median_pct": None, "worst_pct": None, "worst_at": None, "rows": 0}
@@ -261,31 +259,32 @@ def delay_check(rows: list[dict], fits: dict[str, dict]) -> list[dict]:
             out.append({
                 "delay_ms": delay_ms, "algorithm": algorithm,
                 "alpha_plain_s": f["alpha_s"], "alpha_refitted_s": num / den,
-                "error": _errors(f, algorithm, mine, delay_ms / 1e3),
+                "error": errors(f, algorithm, mine, delay_ms / 1e3),
             })  # fmt: skip
     return out
 
 
-CLEAR_RATIO = 1.1  # a crossover counts where one side is this much faster on each side
+CLEAR_RATIO = 1.1  # one of two algorithms is "faster" at a size only by this much
 
 
 def crossovers(rows: list[dict], baseline: str = "ring") -> list[dict]:
     """Where each algorithm's measured median time crosses the baseline's as the size
-    grows: the size (interpolated on log-log axes) between two neighbouring measured
-    sizes where one is at least CLEAR_RATIO faster at the first and the other at the
-    second, per delay and world size. Curves that run together (halving-doubling and
-    the ring on 2 ranks are the same exchange) cross by noise alone: not counted."""
+    grows, per delay and world size. Only sizes where one of the two is at least
+    CLEAR_RATIO faster count; between two such sizes that disagree, the crossover is
+    interpolated on log-log axes. Curves that run together (halving-doubling and the
+    ring on 2 ranks are the same exchange) cross by noise alone: not counted."""
     out = []
     keys = {(r["delay_ms"], r["world_size"]) for r in rows}
+    clear = math.log(CLEAR_RATIO)
     for delay_ms, p in sorted(keys):
         here = {(r["algorithm"], r["size_bytes"]): r["median_s"] for r in rows
                 if r["delay_ms"] == delay_ms and r["world_size"] == p}  # fmt: skip
         for algorithm in sorted({a for a, _ in here} - {baseline, "gloo"}):
             sizes = sorted(s for a, s in here if a == algorithm and (baseline, s) in here)
-            ratios = [math.log(here[algorithm, s] / here[baseline, s]) for s in sizes]
-            clear = math.log(CLEAR_RATIO)
-            for (s0, r0), (s1, r1) in pairwise(zip(sizes, ratios, strict=True)):
-                if (r0 < 0) != (r1 < 0) and min(abs(r0), abs(r1)) >= clear:
+            ratios = [(s, math.log(here[algorithm, s] / here[baseline, s])) for s in sizes]
+            decided = [(s, r) for s, r in ratios if abs(r) >= clear]
+            for (s0, r0), (s1, r1) in pairwise(decided):
+                if (r0 < 0) != (r1 < 0):
                     frac = r0 / (r0 - r1)
                     size = math.exp(math.log(s0) + frac * (math.log(s1) - math.log(s0)))
                     out.append({

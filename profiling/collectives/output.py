@@ -46,6 +46,12 @@ def _algorithms(items) -> list[str]:
     return [a for a in ORDER if a in present] + sorted(present - set(ORDER))
 
 
+def _mbps(beta_s_per_byte: float) -> str:
+    """1/beta in MB/s; a beta fitted to 0 (no size large enough to see the link) is
+    an unbounded rate."""
+    return f"{1e-6 / beta_s_per_byte:.0f}" if beta_s_per_byte > 0 else "inf"
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}%" if value >= 10 else f"{value:.1f}%"
 
@@ -58,7 +64,8 @@ def summary(analysis: dict) -> str:
         held = f["held_out"]
         lines.append(
             f"{algorithm:>16}: alpha {f['alpha_s'] * 1e6:7.1f} us, beta "
-            f"{f['beta_s_per_byte'] * 1e9:6.3f} ns/B ({1e-6 / f['beta_s_per_byte']:.0f} MB/s); "
+            f"{f['beta_s_per_byte'] * 1e9:6.3f} ns/B ({_mbps(f['beta_s_per_byte'])} MB/s), "
+            f"free {f['free_bytes'] // 1024} KiB; "
             f"held-out sizes: median error {_pct(held['median_pct'])}, worst "
             f"{_pct(held['worst_pct'])} ({held['worst_at']}), {held['rows']} points"
         )
@@ -114,25 +121,36 @@ def _settings(runs: list[dict]) -> str:
 
 def _fit_table(analysis: dict) -> str:
     gamma = analysis["gamma_s_per_byte"]
+    rows = [r for r in analysis["rows"] if r["delay_ms"] == 0]
+    _, held_sizes = model.split_sizes([r["size_bytes"] for r in rows])
     body = []
     for algorithm in _algorithms(analysis["fits"]):
         f = analysis["fits"][algorithm]
         fitted, held = f["fitted"], f["held_out"]
+        by_world = []
+        for p in sorted({r["world_size"] for r in rows}):
+            mine = [r for r in rows if r["algorithm"] == algorithm and r["world_size"] == p
+                    and r["size_bytes"] in held_sizes]  # fmt: skip
+            by_world.append(f"{p}: {_pct(model.errors(f, algorithm, mine)['median_pct'])}")
         body.append([
             algorithm, f"{f['alpha_s'] * 1e6:.0f}", f"{f['beta_s_per_byte'] * 1e9:.2f}",
-            f"{1e-6 / f['beta_s_per_byte']:.0f}", f"{gamma * 1e9:.3f}",
+            _mbps(f["beta_s_per_byte"]), f"{gamma * 1e9:.3f}",
+            size_label(f["free_bytes"]) if f["free_bytes"] else "0",
             f"{_pct(fitted['median_pct'])} / {_pct(fitted['worst_pct'])}",
             f"{_pct(held['median_pct'])} / {_pct(held['worst_pct'])} ({held['worst_at']})",
+            ", ".join(by_world),
         ])  # fmt: skip
     header = ["algorithm", "alpha us/step", "beta ns/B", "1/beta MB/s", "gamma ns/B",
-              "fitted sizes: median / worst error",
-              "held-out sizes: median / worst error"]  # fmt: skip
+              "free bytes per phase", "fitted sizes: median / worst error",
+              "held-out sizes: median / worst error",
+              "held-out median error by ranks"]  # fmt: skip
     note = (
-        "alpha and beta are least-squares fits (on relative error) over every world size "
-        "without emulated delay, on every other size from the smallest; the sizes in "
-        "between are held out. gamma is measured (`tensor += other` on every rank at once, "
-        f"sizes from {size_label(model.GAMMA_MIN_BYTES)}): all-reduce times alone cannot "
-        "tell it from beta (see `profiling/collectives/model.py`)."
+        "alpha, beta and the free bytes are least-squares fits (on relative error) over "
+        "every world size without emulated delay, on every other size from the smallest; "
+        "the sizes in between are held out. gamma is measured (`tensor += other` on every "
+        f"rank at once, sizes from {size_label(model.GAMMA_MIN_BYTES)}): all-reduce times "
+        "alone cannot tell it from beta. The free bytes stand for the shaped link's token "
+        "bucket (see `profiling/collectives/model.py`)."
     )
     return markdown_table(header, body) + "\n\n" + note
 
@@ -164,7 +182,7 @@ def _crossover_table(analysis: dict) -> str:
     for delay_ms, p in keys:
         present = {r["algorithm"] for r in analysis["rows"]
                    if r["delay_ms"] == delay_ms and r["world_size"] == p}  # fmt: skip
-        for algorithm in _algorithms(present - {"ring"}):
+        for algorithm in _algorithms(present - {"ring", "gloo"}):
             if "ring" not in present:
                 continue
             seen = [c for k, c in measured.items() if k == (delay_ms, p, algorithm)]
@@ -182,9 +200,9 @@ def _crossover_table(analysis: dict) -> str:
               "model's crossover"]  # fmt: skip
     return markdown_table(header, body, left=3) + (
         "\n\nMeasured: where the algorithm's median time crosses the ring's, interpolated "
-        "on log-log axes between two neighbouring sizes at which one of the two is at "
-        f"least {model.CLEAR_RATIO:g}x faster (closer curves cross by noise). Model: the "
-        "smallest size where the fitted models swap order."
+        "on log-log axes between the nearest sizes on either side at which one of the two "
+        f"is at least {model.CLEAR_RATIO:g}x faster (closer curves cross by noise). Model: "
+        "the smallest size where the fitted models swap order."
     )
 
 
@@ -199,7 +217,7 @@ def _prediction_table(analysis: dict) -> str:
     speedup = _link_gbit(analysis) / GOYAL_LINK_GBIT  # beta's factor on their links
     body = []
     for p in PREDICT_RANKS:
-        for size in [4 * 2**10 * 16**k for k in range(5)]:  # 4 KiB .. 256 MiB
+        for size in [4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 256 * 2**20]:
             # No token bucket on a real switch port: free_bytes 0.
             times = {a: model.predict(fits[a], a, p, size, free_bytes=0) for a in algorithms}
             fast = {}
