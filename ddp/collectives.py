@@ -35,7 +35,7 @@ once per step on the critical path, for a machine whose kernel cannot add one to
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +72,8 @@ class _Link:
 
     def exchange(
         self,
-        sends: list[tuple[int, torch.Tensor]] = (),
-        recvs: list[tuple[int, torch.Tensor]] = (),
+        sends: Sequence[tuple[int, torch.Tensor]] = (),
+        recvs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> None:
         """One step: send each (peer, tensor) of `sends`, receive into each (peer,
         tensor) of `recvs`, and return once all of them are done.

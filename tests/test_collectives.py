@@ -13,12 +13,14 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from ddp.collectives import ALGORITHMS
+from ddp.collectives import ALGORITHMS, all_reduce
 from tests.collectives_cases import Record, run_cases
 from tests.compare import run_checked
 
@@ -113,3 +115,32 @@ def test_all_reduce_equals_torchs_on_five_ranks_and_a_subgroup(tmp_path: Path) -
     check([[Record(**d) for d in r["world"]] for r in ranks], "5 ranks")
     subgroup = [[Record(**d) for d in ranks[r]["subgroup"]] for r in (1, 3, 4)]
     check(subgroup, "subgroup of ranks 1, 3, 4")
+
+
+DELAY_S = 0.2
+# Steps on 3 ranks, by hand: naive gathers (1) and scatters (1); the ring 2(p-1);
+# halving-doubling folds rank 2 in, swaps halves (1), swaps back (1), folds out; the
+# tree: ranks 1 and 2 both send to 0 at once (1), then 0 sends to 2 and to 1 (2).
+STEPS_ON_3 = {"naive": 2, "ring": 4, "halving_doubling": 4, "tree": 3}
+
+
+def timed_with_delay(rank: int, group: dist.ProcessGroup) -> dict[str, float]:
+    seconds = {}
+    for algorithm in ALGORITHMS:
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        all_reduce(torch.ones(10), algorithm, group, delay_s=DELAY_S)
+        seconds[algorithm] = time.perf_counter() - start
+    return seconds
+
+
+def test_emulated_delay_is_paid_once_per_step(pool) -> None:
+    """The benchmark's emulated latency: every step waits DELAY_S once, on the slowest
+    rank's clock; never less, and not once per message (naive's rank 0 sends to two
+    ranks in one step)."""
+    runs = run_checked(pool, 3, timed_with_delay)
+    for algorithm, steps in STEPS_ON_3.items():
+        slowest = max(run[algorithm] for run in runs)
+        assert steps * DELAY_S <= slowest < (steps + 0.75) * DELAY_S, (
+            f"{algorithm}: {slowest:.3f} s with {DELAY_S} s per step; {steps} steps expected"
+        )
