@@ -7,6 +7,9 @@ gradients, not yet divided by the world size, and the hook returns a
 here is a short reimplementation of the one in torch.distributed.algorithms
 .ddp_comm_hooks, and tests/test_comm_hooks.py checks it against torch's on the same
 inputs. torch's Python hooks take our GradBucket too (they only call its methods).
+One has no counterpart in torch: `point_to_point_hook` averages with our own
+all-reduce from sends and receives (`ddp.collectives`: naive, ring, halving-doubling,
+tree), checked against torch's DDP in tests/test_collectives_hook.py.
 
     state = PowerSGDState(process_group=None, start_powerSGD_iter=10)
     future = powerSGD_hook(state, GradBucket(bucket, is_last=bucket.index == len(buckets) - 1))
@@ -15,10 +18,13 @@ inputs. torch's Python hooks take our GradBucket too (they only call its methods
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddp import collectives
 from ddp.buckets import Bucket
 from ddp.dist import require_process_group
 
@@ -115,6 +121,51 @@ def _compress_hook(
 
 
 # --8<-- [end:compress]
+
+
+# --8<-- [start:point_to_point]
+@dataclass
+class PointToPointState:
+    """Which of `ddp.collectives.ALGORITHMS` averages the buckets, over which group."""
+
+    process_group: dist.ProcessGroup | None = None  # None: the default group
+    algorithm: str = "ring"
+
+    def __post_init__(self):
+        if self.algorithm not in collectives.ALGORITHMS:
+            raise ValueError(
+                f"PointToPointState: algorithm {self.algorithm!r} is not one of "
+                f"{', '.join(collectives.ALGORITHMS)}"
+            )
+
+
+def point_to_point_hook(
+    state: PointToPointState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Plain averaging, but by our own all-reduce from sends and receives
+    (`ddp.collectives`) instead of Gloo's or NCCL's: `register_comm_hook(
+    PointToPointState(group, "ring"), point_to_point_hook)` trains with our ring.
+
+    Cost: our all-reduce blocks until it is done, so the future is complete when it
+    is returned, and backward waits for each bucket instead of running under it.
+    Every rank still ends with bit-identical gradients: each element's sum is
+    computed on one rank and copied to the others."""
+    if not isinstance(state, PointToPointState):
+        raise TypeError(
+            f"point_to_point_hook's state must be a PointToPointState, got "
+            f"{type(state).__name__}; register it as `register_comm_hook("
+            f"PointToPointState(process_group, 'ring'), point_to_point_hook)`"
+        )
+    group = _group_of(state.process_group, "point_to_point_hook")
+    tensor = bucket.buffer()
+    tensor.div_(group.size())  # divide before summing, as allreduce_hook does
+    collectives.all_reduce(tensor, state.algorithm, group)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+# --8<-- [end:point_to_point]
 
 
 def _group_of(process_group: dist.ProcessGroup | None, hook: str) -> dist.ProcessGroup:
