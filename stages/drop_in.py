@@ -27,6 +27,8 @@ included (`init_sync` after `broadcast_buffers`, `forward_sync_buffers` last).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -141,7 +143,16 @@ class DistributedDataParallel(AutoBucketDDP):
         return self.static_graph or super()._order_is_static()  # the graph will not change
 
     def _set_static_graph(self) -> None:
-        """torch's older spelling of static_graph=True."""
+        """torch's older spelling of static_graph=True: before training, as in torch."""
+        if self.static_graph:
+            message = "You've set static_graph to be True, no need to set it again."
+            warnings.warn(message, stacklevel=2)
+            return
+        if self._synced_backwards:
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and "
+                "after DistributedDataParallel is constructed."
+            )
         self.static_graph = True
 
     # --8<-- [end:forward]

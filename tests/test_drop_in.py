@@ -234,6 +234,11 @@ def torch_behaviour(rank: int, group: dist.ProcessGroup, which: str, scenario: s
             return [g.tolist() for g in _steps(ddp, model, x)]
 
         return _outcome(run)
+    if scenario == "static graph set after training":
+        model = nn.Linear(3, 2)
+        ddp = DDP(model)
+        _steps(ddp, model, x)
+        return _outcome(ddp._set_static_graph)
     if scenario in PICKLED:
         model = nn.Linear(3, 2)
         ddp = DDP(model)
@@ -265,6 +270,7 @@ TORCH_BEHAVIOURS = [
     "double backward",
     "output never reaches backward",
     "output never reaches backward, find_unused_parameters",
+    "static graph set after training",
     "pickle",
     "deepcopy",
     "torch.save",
