@@ -16,8 +16,12 @@ minutes. The default run executes `tests/test_conformance.py`, a subset.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
 import tempfile
+import textwrap
 
 # Read by torch's test module at import: Gloo on CPU, 2 ranks, a folder for its barriers.
 os.environ.setdefault("BACKEND", "gloo")
@@ -46,3 +50,30 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._spawn_processes()
+
+
+def ddp_test_names(test_base: type) -> set[str]:
+    source = textwrap.dedent(inspect.getsource(test_base))
+    tree = ast.parse(source)
+    methods = {
+        node.name: ast.get_source_segment(source, node)
+        for node in tree.body[0].body
+        if isinstance(node, ast.FunctionDef)
+    }
+    uses = {
+        name for name, text in methods.items() if re.search(r"DistributedDataParallel|DDP", text)
+    }
+    calls = {name: set(re.findall(r"self\.(_\w+)\(", text)) for name, text in methods.items()}
+    grew = True
+    while grew:  # a test that calls a helper that uses DDP uses DDP
+        before = len(uses)
+        uses |= {name for name, called in calls.items() if called & uses}
+        grew = len(uses) > before
+    return {name for name in uses if name.startswith("test_")}
+
+
+# Only the tests that use DDP: the others would run the same with either class.
+_WANTED = ddp_test_names(DistributedTest._DistTestBase)
+for _name in dir(DistributedTest._DistTestBase):
+    if _name.startswith("test_") and _name not in _WANTED:
+        setattr(TestDistBackendWithSpawn, _name, None)  # not callable: not collected
