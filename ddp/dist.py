@@ -6,17 +6,20 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-def setup_process_group(backend: str = "auto") -> torch.device:
+def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -> torch.device:
     """Join the process group that torchrun describes in the environment.
 
     `backend="auto"` picks NCCL with one GPU per LOCAL_RANK when CUDA is there,
-    Gloo on CPU otherwise. Returns the device this rank computes on."""
+    Gloo on CPU otherwise. `timeout_s`: how long a collective waits for a rank that does
+    not answer (None: torch's default, 30 minutes for Gloo). Returns the device this rank
+    computes on."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(
@@ -35,7 +38,16 @@ def setup_process_group(backend: str = "auto") -> torch.device:
     else:
         raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        # torchrun's agent keeps one store across restarts, and keys of the attempt before
+        # (the dead workers' Gloo addresses) would be read as this attempt's: restarted
+        # workers then fail to connect, or wait on each other. A prefix per attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     return device
 
 
