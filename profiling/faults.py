@@ -151,7 +151,8 @@ def table(trials: list[Trial], want: str, reference_s: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The harness's command line; its defaults are the run of docs/when-a-rank-dies.md."""
     parser = argparse.ArgumentParser(
         prog="python -m profiling.faults", description=__doc__.split("\n\n")[0]
     )
@@ -168,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-s", type=float, default=180.0, help="a trial this long hangs")
     parser.add_argument("--out", type=Path, help="also write the table and command here")
     parser.add_argument("--verbose", action="store_true", help="print failed trials' output")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = options(argv)
     want, reference_s = reference(args)
     print(f"reference: {reference_s:.1f} s, params sha256: {want}", flush=True)
     rng = random.Random(args.seed)
