@@ -60,6 +60,21 @@ class Config:
         "", "write torch.profiler traces and TensorBoard scalars under DIR/<run>", metavar="DIR"
     )
     profile_steps: int = option(3, "steps traced with --profile-dir, after the warm-up steps")
+    checkpoint_dir: str = option(
+        "",
+        "checkpoint under DIR/<run>, and resume from the newest committed checkpoint there "
+        "(torchrun --max-restarts N then resumes instead of starting over)",
+        metavar="DIR",
+    )
+    checkpoint_every: int = option(
+        50, "optimizer steps (warm-up steps included) between checkpoints; one at the end too"
+    )
+    timeout: float = option(
+        300.0,
+        "seconds a rank waits for one that stopped answering before the run fails, naming it "
+        "(Gloo's own default is 30 minutes)",
+        metavar="S",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -69,7 +84,9 @@ class Config:
                     f"{flag(f.name)} must be one of {', '.join(choices)}, "
                     f"got {getattr(self, f.name)!r}"
                 )
-        for name in ("width", "depth", "steps", "batch_size", "accumulation_steps"):
+        for name in (
+            "width", "depth", "steps", "batch_size", "accumulation_steps", "checkpoint_every"
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size < 0:
@@ -80,6 +97,10 @@ class Config:
             raise ValueError(f"--bucket-cap-mb must be > 0 MiB, got {self.bucket_cap_mb}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a finite number >= 0, got {self.lr}")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(
+                f"--timeout must be a finite number of seconds > 0, got {self.timeout}"
+            )
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
         if self.profile_steps < 1:

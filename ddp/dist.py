@@ -6,17 +6,24 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp.watchdog import Watchdog
 
-def setup_process_group(backend: str = "auto") -> torch.device:
+_watchdog: Watchdog | None = None  # the heartbeat of the group setup_process_group made
+
+
+def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -> torch.device:
     """Join the process group that torchrun describes in the environment.
 
     `backend="auto"` picks NCCL with one GPU per LOCAL_RANK when CUDA is there,
-    Gloo on CPU otherwise. Returns the device this rank computes on."""
+    Gloo on CPU otherwise. `timeout_s`: how long this rank waits for one that does not
+    answer before it fails naming it (ddp.watchdog); None: no watchdog, and torch's
+    default timeout (30 minutes for Gloo). Returns the device this rank computes on."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(
@@ -35,7 +42,20 @@ def setup_process_group(backend: str = "auto") -> torch.device:
     else:
         raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        # 10% over the watchdog's, which names the missing rank where Gloo cannot.
+        timeout = timedelta(seconds=timeout_s * 1.1) if timeout_s is not None else None
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        # torchrun's agent keeps one store across restarts, and keys of the attempt before
+        # (the dead workers' Gloo addresses) would be read as this attempt's: restarted
+        # workers then fail to connect, or wait on each other. A prefix per attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        if timeout_s is not None:
+            global _watchdog
+            _watchdog = Watchdog(dist.PrefixStore("heartbeat", store), rank, world_size, timeout_s)
     return device
 
 
@@ -153,5 +173,9 @@ def teardown_process_group() -> None:
     A Gloo group still referenced (from a stage's reference cycle, say) is freed only at
     interpreter shutdown, where its threads abort the process ("terminate called without
     an active exception"). Collecting first lets it die while Python is still alive."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
     gc.collect()
     dist.destroy_process_group()

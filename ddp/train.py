@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from ddp import checkpoint
 from ddp.config import Config, parse_config
 from ddp.data import rank_batch, split_batch
 from ddp.dist import (
@@ -26,6 +28,7 @@ from ddp.dist import (
     setup_process_group,
     teardown_process_group,
 )
+from ddp.faults import Fault
 from ddp.models import build_model
 from ddp.progress import Progress
 
@@ -51,10 +54,12 @@ class RunResult:
     step_times_s: list[float]  # per timed step, the slowest rank's time
     replicas_identical: bool
     final_loss: float
+    params_sha256: str = ""  # of the final parameters, see ddp.checkpoint.params_sha256
 
     @property
     def median_step_s(self) -> float:
-        return statistics.median(self.step_times_s)
+        # A run resumed from its last checkpoint may have no timed step left to run.
+        return statistics.median(self.step_times_s) if self.step_times_s else float("nan")
 
 
 def train(
@@ -71,11 +76,23 @@ def train(
     wrapped = wrap(model, cfg)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+    total_steps = cfg.warmup_steps + cfg.steps  # warm-up steps train too: they resume alike
+    # --8<-- [start:resume]
+    run_dir = Path(cfg.checkpoint_dir) / name
+    settings = checkpoint.run_settings(cfg, global_batch, world)
+    first_step = checkpoint.resume(run_dir, model, optimizer, settings) if cfg.checkpoint_dir else 0
+    # --8<-- [end:resume]
+    fault = Fault.from_env()
+    if fault is not None:
+        fault.install(model, optimizer)
     times = []
     tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
     if progress is not None:
-        progress.start(name, cfg.warmup_steps + cfg.steps)
-    for step in range(cfg.warmup_steps + cfg.steps):
+        progress.start(name, total_steps - first_step)  # what is left after a restart
+    loss = torch.tensor(float("nan"))
+    for step in range(first_step, total_steps):
+        if fault is not None:
+            fault.current_step = step
         micro_batches = make_micro_batches(model, cfg, step, device)
         synchronize(device)
         start = time.perf_counter()
@@ -88,8 +105,12 @@ def train(
             tracing.step(step, loss.item(), optimizer.param_groups[0]["lr"], step_s)
         if progress is not None:
             progress.step(step_s)
-    if tracing is not None:
-        tracing.close()
+        # --8<-- [start:checkpoint]
+        done = step + 1
+        if cfg.checkpoint_dir and (done % cfg.checkpoint_every == 0 or done == total_steps):
+            midway = partial(fault.at, "checkpoint", done) if fault else lambda: None
+            checkpoint.save(run_dir, done, model, optimizer, settings, midway)
+        # --8<-- [end:checkpoint]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     result = RunResult(
@@ -97,6 +118,7 @@ def train(
         step_times_s=slowest.tolist(),
         replicas_identical=replicas_identical(model),
         final_loss=loss.item(),
+        params_sha256=checkpoint.params_sha256(model),
     )
     if progress is not None:
         progress.finish()
@@ -288,11 +310,13 @@ def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult
         if buckets
         else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"},
     )
-    device = setup_process_group(cfg.backend)
+    device = setup_process_group(cfg.backend, cfg.timeout)
     try:
         progress = Progress(runs=1, work=cfg.warmup_steps + cfg.steps)
         result = train(stage_name, stage_wrap(stage_cls), cfg, device, progress)
         print_table([result], cfg, buckets=buckets)
+        if dist.get_rank() == 0:
+            print(f"params sha256: {result.params_sha256}", flush=True)
         if not result.replicas_identical:
             raise SystemExit(f"rank {os.environ['RANK']}: replicas differ after training")
         return result

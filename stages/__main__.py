@@ -14,7 +14,7 @@ from stages import standard_runs
 
 def main() -> None:
     cfg = parse_config(module="stages", description=__doc__)
-    device = setup_process_group(cfg.backend)
+    device = setup_process_group(cfg.backend, cfg.timeout)
     runs = standard_runs()
     try:
         progress = Progress(runs=len(runs), work=len(runs) * (cfg.warmup_steps + cfg.steps))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,4 +50,7 @@ def test_stage_with_accumulation(stage: str) -> None:
         3, "-m", f"stages.{stage}", "--steps", "2", "--accumulation-steps", "3", "--model", "frozen"
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "True"
+    # The table's row, then the final parameters' digest on the last line.
+    row, digest = out.stdout.strip().splitlines()[-2:]
+    assert row.split()[0] == stage and row.split()[-1] == "True"
+    assert re.fullmatch(r"params sha256: [0-9a-f]{64}", digest)

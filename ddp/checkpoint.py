@@ -1,0 +1,248 @@
+"""Checkpoints a run resumes from bit for bit, written so that a rank killed at any moment
+never leaves one that loads half.
+
+Layout, one folder per checkpoint, under `--checkpoint-dir DIR` and the run's name:
+
+    DIR/<run>/step-00000014/rank-00000.pt    each rank's own state (torch.save)
+    DIR/<run>/step-00000014/rank-00001.pt
+    DIR/<run>/step-00000014/COMMITTED        JSON: step, world size, run settings,
+                                             each file's size and sha256
+
+Every rank saves its own file: parameters and optimizer state agree across ranks, but
+BatchNorm's running statistics and each rank's random number generator do not. A
+checkpoint exists once COMMITTED does, and COMMITTED comes last: every rank writes and
+fsyncs its file, rank 0 gathers their sizes and digests, writes the marker to a temporary
+name, fsyncs it and renames it into place (a rename is atomic on POSIX file systems), then
+fsyncs the folder so the rename itself survives a crash. A rank killed before that leaves
+a folder without COMMITTED, which loading skips; the previous checkpoint is deleted only
+after the new one is committed.
+
+What a rank's file holds is everything its next step depends on: the model's state
+(parameters and buffers), the optimizer's (momentum), the step, the torch generator's
+state (CUDA's too, where there is one) and the data position. The data path has no
+generator of its own to save: `ddp.data.synthetic_batch` seeds a fresh one from
+(--seed, micro-batch index), so the position is the next step and nothing more."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.config import Config
+
+COMMITTED = "COMMITTED"
+STEP_PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from: corrupt, partial, or another run's."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a checkpoint must agree with to be resumed from: a different model, batch,
+    learning rate or world size would train on from a state it did not make. --steps and
+    --warmup-steps may change (train longer from the same checkpoint)."""
+
+    model: str
+    width: int
+    depth: int
+    global_batch: int
+    accumulation_steps: int
+    lr: float
+    seed: int
+    world_size: int
+
+
+def run_settings(cfg: Config, global_batch: int, world_size: int) -> RunSettings:
+    return RunSettings(
+        model=cfg.model,
+        width=cfg.width,
+        depth=cfg.depth,
+        global_batch=global_batch,
+        accumulation_steps=cfg.accumulation_steps,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        world_size=world_size,
+    )
+
+
+# --8<-- [start:save]
+def save(
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: RunSettings,
+    midway: Callable[[], None] = lambda: None,
+) -> Path:
+    """Checkpoint the state after `step` optimizer steps; collective, every rank calls it.
+    Returns the committed folder. `midway` runs once this rank's file is half written (the
+    fault injection's hook)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step_dir = run_dir / f"{STEP_PREFIX}{step:08d}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_states(),
+        "data": {"next_step": step},
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    name = f"rank-{rank:05d}.pt"
+    write_durably(step_dir / name, data, midway)
+    files: list[dict | None] = [None] * world
+    entry = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    dist.all_gather_object(files, entry)
+    if rank == 0:
+        fsync_dir(step_dir)  # the rank files' names, before the marker that vouches for them
+        manifest = {"step": step, "settings": asdict(settings), "files": files}
+        write_durably(step_dir / (COMMITTED + ".tmp"), json.dumps(manifest, indent=1).encode())
+        os.replace(step_dir / (COMMITTED + ".tmp"), step_dir / COMMITTED)
+        fsync_dir(step_dir)
+        for old in run_dir.glob(STEP_PREFIX + "*"):
+            if old != step_dir:
+                shutil.rmtree(old, ignore_errors=True)
+    # No rank trains on (and can be killed believing it saved) before the marker exists.
+    dist.barrier()
+    return step_dir
+
+
+# --8<-- [end:save]
+
+
+def write_durably(path: Path, data: bytes, midway: Callable[[], None] = lambda: None) -> None:
+    """Write `data` to `path` and fsync it: on disk, not only in the page cache."""
+    with open(path, "wb") as f:
+        half = len(data) // 2
+        f.write(data[:half])
+        f.flush()
+        midway()
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in folder `path` (a rename, a new file) survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_states() -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    states: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+# --8<-- [start:load]
+def resume(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: RunSettings,
+) -> int:
+    """Load the newest committed checkpoint under `run_dir` into `model`, `optimizer` and
+    the generators, and return the step to go on from (0 when there is none). Collective:
+    rank 0 picks the checkpoint, every rank checks and loads its own file, and if any
+    rank's check fails every rank raises the same CheckpointError."""
+    rank = dist.get_rank()
+    chosen = [newest_committed(run_dir) if rank == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    step_dir = chosen[0]
+    if step_dir is None:
+        return 0
+    try:
+        state, error = read_rank_file(step_dir, rank, settings), None
+    except CheckpointError as e:
+        state, error = None, str(e)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if rank == 0:
+        print(f"resuming from {step_dir} (step {state['step']})", file=sys.stderr, flush=True)
+    return state["data"]["next_step"]
+
+
+# --8<-- [end:load]
+
+
+def newest_committed(run_dir: Path) -> Path | None:
+    """The committed checkpoint of the highest step; folders without COMMITTED are writes
+    that did not finish, and are skipped (saying so)."""
+    for step_dir in sorted(run_dir.glob(STEP_PREFIX + "*"), reverse=True):
+        if (step_dir / COMMITTED).is_file():
+            return step_dir
+        print(f"skipping {step_dir}: no {COMMITTED} marker, its write did not finish",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return None
+
+
+def read_rank_file(step_dir: Path, rank: int, settings: RunSettings) -> dict:
+    """This rank's state from a committed checkpoint, refused unless its manifest matches
+    this run and the file is whole (size and sha256 as committed)."""
+    marker = step_dir / COMMITTED
+    try:
+        manifest = json.loads(marker.read_text())
+        ours = manifest["files"][rank]
+        written = RunSettings(**manifest["settings"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise CheckpointError(f"{marker} is unreadable ({e}); delete {step_dir} to go on") from e
+    if written != settings:
+        differ = {k: (v, getattr(settings, k)) for k, v in asdict(written).items()}
+        differ = {k: v for k, v in differ.items() if v[0] != v[1]}
+        raise CheckpointError(
+            f"{marker} was written by another run: "
+            + ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in differ.items())
+            + "; pick another --checkpoint-dir"
+        )
+    path = step_dir / ours["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path} is missing from a committed checkpoint ({e})") from e
+    if len(data) != ours["bytes"] or hashlib.sha256(data).hexdigest() != ours["sha256"]:
+        raise CheckpointError(
+            f"{path} is corrupt: {len(data)} bytes whose sha256 differs from the "
+            f"{ours['bytes']} committed in {marker}; delete {step_dir} to resume from scratch"
+        )
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # unpickling refused (weights_only) or malformed
+        raise CheckpointError(f"{path} does not load with weights_only=True: {e}") from e
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 over the parameters in `named_parameters()` order: for each, a line
+    `name dtype shape\\n`, then its bytes as stored (contiguous, CPU, native byte order).
+    Two runs print the same digest only if every parameter is bit-identical."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        tensor = p.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name} {tensor.dtype} {list(p.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
