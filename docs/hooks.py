@@ -1,9 +1,12 @@
 """mkdocs hook: write each stage page's "what changed" section from the code itself.
 
-A page says `{{ stage_diff("bucketed") }}`; the build replaces it with one unified diff
-per method whose definition changed between the previous stage in `stages.STAGES` and
-this one. The stages are subclasses, each file holding only its new idea, so this diff
-*is* the idea, and it cannot go stale: it is computed from the classes on every build.
+A page says `{{ stage_diff("bucketed") }}`; the build replaces it with one block per
+method whose definition changed between the previous stage in `stages.STAGES` and this
+one: a unified diff for a method the stage replaces, the lines added around the
+`super()` call for one it extends, a pointer to the page's snippet for a new method the
+page already shows, folded (pymdownx.details) when longer than FOLD_LINES lines. The
+stages are subclasses, each file holding only its new idea, so these blocks *are* the
+idea, and they cannot go stale: they are computed from the classes on every build.
 
 The final class is laid out the same way: `{{ method_chain("_mark_ready") }}` becomes a
 table of the stage methods that run when the last stage's `_mark_ready` is called, in
@@ -38,6 +41,9 @@ LEFTOVER = re.compile(rf"\{{\{{[^\n]*?({FUNCTIONS})[^\n]*")  # e.g. one missing 
 MANGLED_SNIPPET = re.compile(r"^[ \t]*-+8\s+<\s+-+\s*[\"'].*$", re.M)
 # Snippet section markers are docs plumbing, not code: leave them out of the diffs.
 SECTION_MARKER = re.compile(r"^\s*#\s*-+8<-+\s*\[\s*(start|end)\s*:")
+INCLUDE = re.compile(r"""^[ \t]*-+8<-+[ \t]+["'](?P<path>[^"':]+):(?P<section>[\w-]+)["']""", re.M)
+DEF = re.compile(r"^\s*(?:async\s+)?def\s+(?P<name>\w+)\s*\(", re.M)
+FOLD_LINES = 30  # a diff longer than this is folded into a collapsible block
 
 _root = Path(__file__).resolve().parent.parent  # replaced by mkdocs.yml's folder in on_config
 _stages: dict[str, type] | None = None
@@ -81,7 +87,9 @@ def on_page_markdown(markdown, page, config, files):
         if fn == "method_chain":
             chained.append(quoted.group("name"))
             return method_chain(quoted.group("name"), where=page.file.src_uri)
-        return stage_diff(quoted.group("name"), where=page.file.src_uri)
+        return stage_diff(
+            quoted.group("name"), where=page.file.src_uri, shown=_shown_on_page(markdown)
+        )
 
     markdown = PLACEHOLDER.sub(replace, markdown)
     leftover = LEFTOVER.search(markdown)
@@ -104,7 +112,27 @@ def load_stages() -> dict[str, type]:
     return _stages
 
 
-def stage_diff(name: str, where: str = "?") -> str:
+def _shown_on_page(markdown: str) -> dict[str, dict[str, str]]:
+    """file -> {method: section} for every method the page includes by snippet section."""
+    shown: dict[str, dict[str, str]] = {}
+    for include in INCLUDE.finditer(markdown):
+        path, section = include.group("path"), include.group("section")
+        try:
+            text = (_root / path).read_text()
+        except OSError:
+            continue  # snippets itself reports a missing file
+        block = re.search(
+            rf"\[start:{re.escape(section)}\](?P<body>.*?)\[end:{re.escape(section)}\]",
+            text,
+            re.S,
+        )
+        if block:
+            for d in DEF.finditer(block.group("body")):
+                shown.setdefault(path, {}).setdefault(d.group("name"), section)
+    return shown
+
+
+def stage_diff(name: str, where: str = "?", shown: dict[str, dict[str, str]] | None = None) -> str:
     stages = load_stages()
     if name not in stages:
         raise PluginError(
@@ -132,33 +160,46 @@ def stage_diff(name: str, where: str = "?") -> str:
         )
         out.append(
             f"`{cls.__name__}` ({_file(cls)}) {relation} and changes {_count(changed, removed)}; "
-            f"everything else is `{previous.__name__}`'s, unchanged. Each diff runs from the "
-            "previous stage's method (`-`) to this stage's (`+`)."
+            f"everything else is `{previous.__name__}`'s, unchanged. A method this stage "
+            "replaces is a diff from the one it replaces (`-`) to this stage's (`+`); one it "
+            "extends shows, `+`, what it adds around its `super()` call; a new one is shown "
+            "once, here or in the page above."
         )
     out.append("*Generated at build time from `stages.STAGES` by `docs/hooks.py`.*")
 
+    on_page = (shown or {}).get(_path(cls), {})
     for method in changed:
         owner, func = now[method]
         new_src = _source(func)
         if method in before:
             old_owner, old_func = before[method]
             note = f"Overrides `{old_owner.__name__}.{method}` ({_file(old_owner)})."
-            if f"super().{method}(" in new_src and _via_super(cls, method) is old_func:
+            if _calls_super(func, method) and _via_super(cls, method) is old_func:
                 note += (
-                    f" It calls that method through `super().{method}(...)`, so the lines "
-                    "marked `-` still run wherever that call does."
+                    f" It extends it: the unmarked `super().{method}(...)` line runs "
+                    f"`{old_owner.__name__}.{method}` unchanged, and the `+` lines are what "
+                    "this stage adds around that call."
                 )
-            body = _diff(
-                _source(old_func),
-                new_src,
-                f"{old_owner.__name__}.{method}",
-                f"{owner.__name__}.{method}",
-            )
+                body = _around_super(new_src, method)
+            else:
+                note += " It replaces it: the `-` lines no longer run."
+                body = _diff(
+                    _source(old_func),
+                    new_src,
+                    f"{old_owner.__name__}.{method}",
+                    f"{owner.__name__}.{method}",
+                )
         else:
             overridden = _torch_definer(cls, method)
             note = "New method." if overridden is None else f"New; overrides `{overridden}`."
+            if method in on_page:
+                out += [
+                    f"### `{method}`",
+                    f"{note} Shown in full in the page's `{on_page[method]}` section above.",
+                ]
+                continue
             body = _diff("", new_src, "(none)", f"{owner.__name__}.{method}")
-        out += [f"### `{method}`", note, "```diff\n" + body + "\n```"]
+        out += [f"### `{method}`", note, _fold(method, "```diff\n" + body + "\n```")]
 
     for method in removed:
         owner, _ = before[method]
@@ -282,6 +323,36 @@ def _source(func) -> str:
     """The function's source, dedented, decorators included, snippet markers removed."""
     lines = inspect.getsource(inspect.unwrap(func)).splitlines()
     return textwrap.dedent("\n".join(line for line in lines if not SECTION_MARKER.match(line)))
+
+
+def _around_super(new: str, method: str) -> str:
+    """The method as diff lines: the signature (decorators too) and the `super()` call
+    unmarked, every line this stage adds `+`."""
+    lines, out = new.splitlines(), []
+    depth = 0  # open brackets of a super() call that spans lines
+    in_signature = True
+    for line in lines:
+        is_super = depth > 0 or re.search(rf"super\([^)]*\)\.{re.escape(method)}\b", line)
+        if is_super:
+            depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
+            depth = max(depth, 0)
+        if in_signature or is_super:
+            out.append(" " + line)
+        else:
+            out.append("+" + line)
+        if in_signature and re.match(r"\s*(async\s+)?def\b", line):
+            in_signature = not line.rstrip().endswith(":")
+        elif in_signature and not line.lstrip().startswith("@"):
+            in_signature = not line.rstrip().endswith(":")
+    return "\n".join(out)
+
+
+def _fold(method: str, block: str) -> str:
+    """A long block inside a collapsible note (pymdownx.details), closed by default."""
+    n = block.count("\n") - 1
+    if n <= FOLD_LINES:
+        return block
+    return f'??? note "`{method}`: {n} lines"\n\n' + textwrap.indent(block, "    ")
 
 
 def _diff(old: str, new: str, old_name: str, new_name: str) -> str:
