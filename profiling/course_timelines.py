@@ -120,8 +120,8 @@ def draw(logdir: Path, out: Path) -> list[Path]:
         handles = [
             Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")
         ] + [Patch(color=COLOURS["gloo"], label="all-reduce in flight")]
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncols=4)
-        fig.tight_layout()
+        fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
+        fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
         path = out / f"timeline-{stage}.svg"
         fig.savefig(path)
         plt.close(fig)
