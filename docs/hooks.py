@@ -1,9 +1,18 @@
 """mkdocs hook: write each stage page's "what changed" section from the code itself.
 
-A page says `{{ stage_diff("bucketed") }}`; the build replaces it with one unified diff
-per method whose definition changed between the previous stage in `stages.STAGES` and
-this one. The stages are subclasses, each file holding only its new idea, so this diff
-*is* the idea, and it cannot go stale: it is computed from the classes on every build.
+A page says `{{ stage_diff("bucketed") }}`; the build replaces it with one block per
+method whose definition changed between the previous stage in `stages.STAGES` and this
+one: a unified diff for a method the stage replaces, the lines added around the
+`super()` call for one it extends, a pointer to the page's snippet for a new method the
+page already shows, folded (pymdownx.details) when longer than FOLD_LINES lines. The
+stages are subclasses, each file holding only its new idea, so these blocks *are* the
+idea, and they cannot go stale: they are computed from the classes on every build.
+
+The final class is laid out the same way: `{{ method_chain("_mark_ready") }}` becomes a
+table of the stage methods that run when the last stage's `_mark_ready` is called, in
+MRO order, each with its file and line and whether it extends (calls `super()`) or
+replaces the ones below it; `{{ other_methods() }}` lists every stage method that no
+`method_chain` on the page named, so the page cannot silently leave one out.
 
 Also makes relative `pymdownx.snippets` base paths relative to mkdocs.yml, so the build
 works from any directory, not only the repository root.
@@ -23,14 +32,18 @@ from pathlib import Path
 import torch
 from mkdocs.exceptions import PluginError
 
-PLACEHOLDER = re.compile(r"\{\{\s*stage_diff\((?P<arg>.*?)\)\s*\}\}")
+FUNCTIONS = "stage_diff|method_chain|other_methods"
+PLACEHOLDER = re.compile(rf"\{{\{{\s*(?P<fn>{FUNCTIONS})\((?P<arg>.*?)\)\s*\}}\}}")
 QUOTED_NAME = re.compile(r"""\s*(?P<q>["'])(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P=q)\s*""")
-LEFTOVER = re.compile(r"\{\{[^\n]*?stage_diff[^\n]*")  # e.g. a placeholder missing its }}
+LEFTOVER = re.compile(rf"\{{\{{[^\n]*?({FUNCTIONS})[^\n]*")  # e.g. one missing its }}
 # A snippet line after a Python formatter took it for code (ruff 0.16+ formats ```python
 # fences in Markdown): snippets no longer sees it and would print it as text, silently.
 MANGLED_SNIPPET = re.compile(r"^[ \t]*-+8\s+<\s+-+\s*[\"'].*$", re.M)
 # Snippet section markers are docs plumbing, not code: leave them out of the diffs.
 SECTION_MARKER = re.compile(r"^\s*#\s*-+8<-+\s*\[\s*(start|end)\s*:")
+INCLUDE = re.compile(r"""^[ \t]*-+8<-+[ \t]+["'](?P<path>[^"':]+):(?P<section>[\w-]+)["']""", re.M)
+DEF = re.compile(r"^\s*(?:async\s+)?def\s+(?P<name>\w+)\s*\(", re.M)
+FOLD_LINES = 30  # a diff longer than this is folded into a collapsible block
 
 _root = Path(__file__).resolve().parent.parent  # replaced by mkdocs.yml's folder in on_config
 _stages: dict[str, type] | None = None
@@ -57,21 +70,31 @@ def on_page_markdown(markdown, page, config, files):
             "fences as ``` { .python }, which ruff format leaves alone"
         )
 
+    chained: list[str] = []  # the methods this page's method_chain placeholders named
+
     def replace(match: re.Match) -> str:
-        quoted = QUOTED_NAME.fullmatch(match.group("arg"))
+        fn, arg = match.group("fn"), match.group("arg")
+        if fn == "other_methods":
+            if arg.strip():
+                raise PluginError(f"{page.file.src_uri}: other_methods() takes no argument")
+            return other_methods(chained)
+        quoted = QUOTED_NAME.fullmatch(arg)
         if quoted is None:
             raise PluginError(
                 f"{page.file.src_uri}: bad placeholder {match.group(0)!r}; "
-                'write {{ stage_diff("<stage name>") }}'
+                f'write {{{{ {fn}("<name>") }}}}'
             )
-        return stage_diff(quoted.group("name"), where=page.file.src_uri)
+        if fn == "method_chain":
+            chained.append(quoted.group("name"))
+            return method_chain(quoted.group("name"), where=page.file.src_uri)
+        return stage_diff(
+            quoted.group("name"), where=page.file.src_uri, shown=_shown_on_page(markdown)
+        )
 
     markdown = PLACEHOLDER.sub(replace, markdown)
     leftover = LEFTOVER.search(markdown)
     if leftover:
-        raise PluginError(
-            f"{page.file.src_uri}: malformed stage_diff placeholder near {leftover.group(0)!r}"
-        )
+        raise PluginError(f"{page.file.src_uri}: malformed placeholder near {leftover.group(0)!r}")
     return markdown
 
 
@@ -89,7 +112,27 @@ def load_stages() -> dict[str, type]:
     return _stages
 
 
-def stage_diff(name: str, where: str = "?") -> str:
+def _shown_on_page(markdown: str) -> dict[str, dict[str, str]]:
+    """file -> {method: section} for every method the page includes by snippet section."""
+    shown: dict[str, dict[str, str]] = {}
+    for include in INCLUDE.finditer(markdown):
+        path, section = include.group("path"), include.group("section")
+        try:
+            text = (_root / path).read_text()
+        except OSError:
+            continue  # snippets itself reports a missing file
+        block = re.search(
+            rf"\[start:{re.escape(section)}\](?P<body>.*?)\[end:{re.escape(section)}\]",
+            text,
+            re.S,
+        )
+        if block:
+            for d in DEF.finditer(block.group("body")):
+                shown.setdefault(path, {}).setdefault(d.group("name"), section)
+    return shown
+
+
+def stage_diff(name: str, where: str = "?", shown: dict[str, dict[str, str]] | None = None) -> str:
     stages = load_stages()
     if name not in stages:
         raise PluginError(
@@ -117,33 +160,46 @@ def stage_diff(name: str, where: str = "?") -> str:
         )
         out.append(
             f"`{cls.__name__}` ({_file(cls)}) {relation} and changes {_count(changed, removed)}; "
-            f"everything else is `{previous.__name__}`'s, unchanged. Each diff runs from the "
-            "previous stage's method (`-`) to this stage's (`+`)."
+            f"everything else is `{previous.__name__}`'s, unchanged. A method this stage "
+            "replaces is a diff from the one it replaces (`-`) to this stage's (`+`); one it "
+            "extends shows, `+`, what it adds around its `super()` call; a new one is shown "
+            "once, here or in the page above."
         )
     out.append("*Generated at build time from `stages.STAGES` by `docs/hooks.py`.*")
 
+    on_page = (shown or {}).get(_path(cls), {})
     for method in changed:
         owner, func = now[method]
         new_src = _source(func)
         if method in before:
             old_owner, old_func = before[method]
             note = f"Overrides `{old_owner.__name__}.{method}` ({_file(old_owner)})."
-            if f"super().{method}(" in new_src and _via_super(cls, method) is old_func:
+            if _calls_super(func, method) and _via_super(cls, method) is old_func:
                 note += (
-                    f" It calls that method through `super().{method}(...)`, so the lines "
-                    "marked `-` still run wherever that call does."
+                    f" It extends it: the unmarked `super().{method}(...)` line runs "
+                    f"`{old_owner.__name__}.{method}` unchanged, and the `+` lines are what "
+                    "this stage adds around that call."
                 )
-            body = _diff(
-                _source(old_func),
-                new_src,
-                f"{old_owner.__name__}.{method}",
-                f"{owner.__name__}.{method}",
-            )
+                body = _around_super(new_src, method)
+            else:
+                note += " It replaces it: the `-` lines no longer run."
+                body = _diff(
+                    _source(old_func),
+                    new_src,
+                    f"{old_owner.__name__}.{method}",
+                    f"{owner.__name__}.{method}",
+                )
         else:
             overridden = _torch_definer(cls, method)
             note = "New method." if overridden is None else f"New; overrides `{overridden}`."
+            if method in on_page:
+                out += [
+                    f"### `{method}`",
+                    f"{note} Shown in full in the page's `{on_page[method]}` section above.",
+                ]
+                continue
             body = _diff("", new_src, "(none)", f"{owner.__name__}.{method}")
-        out += [f"### `{method}`", note, "```diff\n" + body + "\n```"]
+        out += [f"### `{method}`", note, _fold(method, "```diff\n" + body + "\n```")]
 
     for method in removed:
         owner, _ = before[method]
@@ -151,6 +207,70 @@ def stage_diff(name: str, where: str = "?") -> str:
     if not changed and not removed:
         out.append("No method changed.")
     return "\n\n".join(out) + "\n"
+
+
+def method_chain(method: str, where: str = "?") -> str:
+    """What runs when the last stage's `method` is called: every stage class in the MRO
+    that defines it, most derived first, until one that does not call `super()`."""
+    stages = load_stages()
+    final = list(stages.values())[-1]
+    definers = [k for k in _stage_mro(final) if method in vars(k)]
+    if not definers:
+        raise PluginError(
+            f"{where}: method_chain({method!r}): no stage class defines {method!r}; "
+            f"`{final.__name__}` has {sorted(_methods(final))}"
+        )
+    page_of = {klass: name for name, klass in stages.items()}
+    rows = ["| runs | stage | defined at | what it does with the one below |", "|---|---|---|---|"]
+    running = True
+    for klass in definers:
+        func = _function(vars(klass)[method])
+        extends = _calls_super(func, method)
+        where_defined = f"`{_path(klass)}:{inspect.getsourcelines(inspect.unwrap(func))[1]}`"
+        if not running:
+            role, runs = "not reached", "no"
+        elif extends:
+            role, runs = f"extends: calls `super().{method}(...)`", "yes"
+        else:
+            role, runs = "replaces: does not call `super()`", "yes"
+        stage = page_of.get(klass)
+        link = f"[{stage}](stages/{stage}.md)" if stage else "(the last stage's base)"
+        rows.append(f"| {runs} | {link} `{klass.__name__}` | {where_defined} | {role} |")
+        running = running and extends
+    torch_def = _torch_definer(final, method)
+    if running and torch_def:
+        rows.append(f"| yes | torch | `{torch_def}` | the end of the chain |")
+    n_run = sum(1 for row in rows[2 : 2 + len(definers)] if row.startswith("| yes"))
+    lead = (
+        f"`{final.__name__}.{method}`: {n_run} of {len(definers)} stage "
+        f"definition{'s' if len(definers) != 1 else ''} run"
+        + (f", then `{torch_def}`." if running and torch_def else ".")
+    )
+    return lead + "\n\n" + "\n".join(rows) + "\n"
+
+
+def other_methods(named: list[str]) -> str:
+    """Every stage method of the last stage that no method_chain on the page named."""
+    final = list(load_stages().values())[-1]
+    rest = [(m, owner) for m, (owner, _) in _methods(final).items() if m not in named]
+    counts = {m: sum(1 for k in _stage_mro(final) if m in vars(k)) for m, _ in rest}
+    rows = ["| method | defined by (the one that runs) | definitions |", "|---|---|---:|"]
+    for method, owner in sorted(rest, key=lambda mo: mo[0].lstrip("_")):
+        line = inspect.getsourcelines(inspect.unwrap(_function(vars(owner)[method])))[1]
+        rows.append(
+            f"| `{method}` | `{owner.__name__}`, `{_path(owner)}:{line}` | {counts[method]} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _stage_mro(cls: type) -> list[type]:
+    return [k for k in cls.__mro__ if k.__module__.split(".")[0] == "stages"]
+
+
+def _calls_super(func, method: str) -> bool:
+    """Whether the method's body calls the same method one step up the MRO."""
+    body = inspect.getsource(inspect.unwrap(func))
+    return re.search(rf"super\([^)]*\)\.{re.escape(method)}\b", body) is not None
 
 
 def _count(changed: list[str], removed: list[str]) -> str:
@@ -205,6 +325,36 @@ def _source(func) -> str:
     return textwrap.dedent("\n".join(line for line in lines if not SECTION_MARKER.match(line)))
 
 
+def _around_super(new: str, method: str) -> str:
+    """The method as diff lines: the signature (decorators too) and the `super()` call
+    unmarked, every line this stage adds `+`."""
+    lines, out = new.splitlines(), []
+    depth = 0  # open brackets of a super() call that spans lines
+    in_signature = True
+    for line in lines:
+        is_super = depth > 0 or re.search(rf"super\([^)]*\)\.{re.escape(method)}\b", line)
+        if is_super:
+            depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
+            depth = max(depth, 0)
+        if in_signature or is_super:
+            out.append(" " + line)
+        else:
+            out.append("+" + line)
+        if in_signature and re.match(r"\s*(async\s+)?def\b", line):
+            in_signature = not line.rstrip().endswith(":")
+        elif in_signature and not line.lstrip().startswith("@"):
+            in_signature = not line.rstrip().endswith(":")
+    return "\n".join(out)
+
+
+def _fold(method: str, block: str) -> str:
+    """A long block inside a collapsible note (pymdownx.details), closed by default."""
+    n = block.count("\n") - 1
+    if n <= FOLD_LINES:
+        return block
+    return f'??? note "`{method}`: {n} lines"\n\n' + textwrap.indent(block, "    ")
+
+
 def _diff(old: str, new: str, old_name: str, new_name: str) -> str:
     old_lines, new_lines = old.splitlines(), new.splitlines()
     whole = max(len(old_lines), len(new_lines))  # context: show each method whole
@@ -216,11 +366,16 @@ def _diff(old: str, new: str, old_name: str, new_name: str) -> str:
 
 
 def _file(cls: type) -> str:
+    return f"`{_path(cls)}`"
+
+
+def _path(cls: type) -> str:
+    """The file that defines `cls`, relative to the repository root where it is inside."""
     path = Path(inspect.getsourcefile(cls)).resolve()
     try:
-        return f"`{path.relative_to(_root).as_posix()}`"
+        return path.relative_to(_root).as_posix()
     except ValueError:
-        return f"`{path}`"
+        return str(path)
 
 
 def _class_name(klass: type) -> str:

@@ -195,3 +195,35 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     plot([record, plain], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_is_legible_at_page_width(tmp_path, monkeypatch):
+    """Drawn 8 in wide at >= 150 dpi with no text under 10 pt, so that shown at the docs'
+    width (about 770 px at 96 px/in) its text is about 10 pt."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.text
+    from PIL import Image
+
+    sizes = []
+    real_text = matplotlib.text.Text.draw
+
+    def draw(self, renderer):  # every text drawn, with its size in points
+        if self.get_visible() and self.get_text():
+            sizes.append(self.get_fontsize())
+        return real_text(self, renderer)
+
+    monkeypatch.setattr(matplotlib.text.Text, "draw", draw)
+    record = record_for_sweep()
+    plain = json.loads(json.dumps(record))
+    del plain["settings"]["sweep"]
+    plain["variants"] = [v for v in plain["variants"] if v["sweep_value"] in (None, 1.0)]
+    plain["bounds"] = plain["bounds"][:1]
+    for records in ([record], [record, record], [plain], [plain, plain]):
+        path = tmp_path / "bench.png"
+        sizes.clear()
+        plot(records, str(path))
+        with Image.open(path) as image:
+            dpi = image.info["dpi"][0]
+            width_in = image.width / dpi
+        assert dpi >= 150 and width_in <= 8.5, (len(records), dpi, width_in)
+        assert sizes and min(sizes) >= 10, (len(records), sorted(set(sizes)))

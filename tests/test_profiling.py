@@ -413,3 +413,21 @@ def test_compare_analyse_only_writes_table_files_charts_and_scalars(
 def test_compare_will_not_overwrite_traces_without_being_asked(profile_logdir):
     with pytest.raises(SystemExit, match="already holds traced runs"):
         compare.main(["--logdir", str(profile_logdir)])
+
+
+def test_course_timelines_draw_two_lanes_per_rank_at_10_pt(profile_logdir, tmp_path):
+    import re
+
+    from profiling import course_timelines
+
+    written = course_timelines.draw(profile_logdir, tmp_path)
+    assert [p.name for p in written] == [f"timeline-{s}.svg" for s in course_timelines.STAGES]
+    for path in written:
+        svg = path.read_text()
+        assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+        for lane in ("rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"):
+            assert lane in svg, (path.name, lane)
+        # Drawn 576 pt wide (8 in), shown at about the page's width: 10 pt text stays 10 pt.
+        assert 'width="576pt"' in svg
+        sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]
+        assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))

@@ -6,6 +6,12 @@ from profiling.bench.options import COMM, FLOOR, REFERENCE
 from profiling.bench.records import network_label
 
 COLORS = {FLOOR: "0.55", COMM: "0.8", REFERENCE: "tab:orange"}
+# Legible at the docs' width (about 770 px): figures 8 in wide (bar panels one above the
+# other, sweep panels two side by side), drawn at 160 dpi, so 10 pt text shows at 10 pt.
+SWEEP_PANEL_IN = (4.0, 3.4)
+BARS_PANEL_IN = (8.0, 3.6)
+DPI = 160
+FONT_PT = 10
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -17,9 +23,11 @@ def plot(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ncols = min(len(records), 3)
+    sweeps = all("sweep" in r["settings"] for r in records)
+    ncols = min(len(records), 2) if sweeps else 1
     nrows = -(-len(records) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 4.2 * nrows), squeeze=False)
+    width, height = SWEEP_PANEL_IN if sweeps else BARS_PANEL_IN
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
     for ax in axes.flat[len(records) :]:
         ax.set_visible(False)
     for ax, record in zip(axes.flat, records, strict=False):
@@ -32,10 +40,10 @@ def plot(records: list[dict], path: str) -> None:
         else:
             title += f", bucket cap {s['bucket_cap_mb']:g} MiB"
             _plot_bars(ax, record)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=FONT_PT)
         ax.grid(axis="x" if "sweep" not in s else "y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
@@ -53,13 +61,16 @@ def _plot_bars(ax, record: dict) -> None:
     if bounds:
         b = bounds[0]["bound_ms"]
         ax.axvline(b, color="k", ls="--", lw=1)
-        ax.text(b, len(variants) - 0.45, f" perfect-overlap bound {b:.0f} ms", fontsize=7)
+        ax.text(b, len(variants) - 0.45, f" perfect-overlap bound {b:.0f} ms", fontsize=FONT_PT)
         ax.set_ylim(-0.6, len(variants))
         for y, v in enumerate(variants):
             if v["name"] not in (FLOOR, COMM):
-                ax.text(v["max_ms"], y, f" {v['vs_bound']:.2f}x bound", va="center", fontsize=7)
-    ax.set_xlabel("step time, ms (median; whiskers min-max)", fontsize=8)
-    ax.tick_params(labelsize=8)
+                ax.text(
+                    v["max_ms"], y, f" {v['vs_bound']:.2f}x bound", va="center", fontsize=FONT_PT
+                )
+    ax.set_xlim(0, max(v["max_ms"] for v in variants) * 1.3)  # room for the "x bound" labels
+    ax.set_xlabel("step time, ms (median; whiskers min-max)", fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)
 
 
 def _plot_sweep(ax, record: dict) -> None:
@@ -102,10 +113,10 @@ def _plot_sweep(ax, record: dict) -> None:
             lw=1,
             label="perfect-overlap bound",
         )
-    ax.set_xticks(list(x), [f"{v:g}" for v in values], fontsize=8)
+    ax.set_xticks(list(x), [f"{v:g}" for v in values], fontsize=FONT_PT)
     label = {"bucket_cap_mb": "bucket_cap_mb (MiB)", "accumulation_steps": "micro-batches per sync"}
-    ax.set_xlabel(label.get(sweep["field"], sweep["field"]), fontsize=8)
-    ax.set_ylabel("ms per micro-batch" if per_micro else "step time, ms (median)", fontsize=8)
+    ax.set_xlabel(label.get(sweep["field"], sweep["field"]), fontsize=FONT_PT)
+    ax.set_ylabel("ms per micro-batch" if per_micro else "step time, ms (median)", fontsize=FONT_PT)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
-    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)

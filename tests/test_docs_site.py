@@ -1,0 +1,166 @@
+"""The docs as a reader sees them: the site built with `mkdocs build --strict`, served on
+127.0.0.1 and opened in headless Chromium (Debian's, driven by Playwright, as
+tests/test_tensorboard.py does; every request off loopback is aborted).
+
+On every stage page, the final class's page and the benchmark pages: every image loaded,
+no snippet marker, placeholder or Markdown source left in the rendered text (a list that
+did not parse shows `- **`, or a paragraph holding `- ` lines), and no admonition cut
+short (one whose last paragraph stops mid-sentence, or one that did not parse and shows
+`!!!` as text). Skips where Chromium or
+Playwright is missing; in CI (CI set) that is a failure, as in the TensorBoard tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_PAGES = sorted(p.stem for p in (ROOT / "docs/stages").glob("*.md"))
+PAGES = [
+    *(f"stages/{name}/" for name in STAGE_PAGES),
+    "final_class/",
+    "benchmarks/",
+    *(f"bench/{p.stem}/" for p in sorted((ROOT / "docs/bench").glob("*.md"))),
+]
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+]  # fmt: skip
+# Source that should have been rendered: snippet includes, the hooks' placeholders, a
+# bullet or an admonition that Markdown took for a paragraph.
+RAW = {
+    "snippet marker": re.compile(r"--8<--"),
+    "placeholder": re.compile(r"\{\{|\b(stage_diff|method_chain|other_methods)\("),
+    "Markdown bullet": re.compile(r"(^|\s)- \*\*"),
+    "Markdown bold": re.compile(r"\*\*\w[^*\n]*\w\*\*"),
+    "admonition source": re.compile(r"(^|\n)\s*(!!!|\?\?\?\+?) \w"),
+}
+SENTENCE_END = re.compile(r"[.!?:)]\s*$")
+
+# The page's article text outside code (code may hold `**options` or `--8<--` rightly),
+# and each admonition's (or collapsible block's) last paragraph, when it ends in one.
+ARTICLE_TEXT = """() => {
+  const article = document.querySelector("article").cloneNode(true);
+  article.querySelectorAll("pre, code, .headerlink").forEach(e => e.remove());
+  return article.innerText;
+}"""
+ADMONITION_ENDS = """() => [...document.querySelectorAll("article .admonition, article details")]
+  .map(box => {
+    const last = box.lastElementChild;
+    const title = box.querySelector(".admonition-title, summary");
+    return {
+      title: title ? title.innerText : "",
+      tag: last ? last.tagName : "",
+      text: last && last.tagName === "P" ? last.innerText : "",
+      children: box.children.length,
+    };
+  })"""
+# A paragraph whose source still holds a list item: Markdown did not see the list (a
+# bullet right after a paragraph, or continuation lines indented too little).
+LIST_IN_PARAGRAPH = """() => [...document.querySelectorAll("article p")]
+  .map(p => p.textContent).filter(t => /(^|\\n)\\s*([-*+]|\\d+\\.) \\S/.test(t))"""
+BROKEN_IMAGES = """() => [...document.images]
+  .filter(img => !(img.complete && img.naturalWidth > 0)).map(img => img.src)"""
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI must run the browser tests)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(site: Path):
+    """The built site over HTTP on 127.0.0.1 (a free port), from a thread of this process."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(site))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def page(served: str):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        unavailable("Chromium not found: `apt-get install chromium` (make test does as root)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("Playwright not installed: pip install -e '.[test]'")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            context.route(
+                "**/*",
+                lambda route: (
+                    route.continue_() if route.request.url.startswith(served) else route.abort()
+                ),
+            )
+            tab = context.new_page()
+            tab.set_default_timeout(30_000)
+            yield tab
+            context.close()
+        finally:
+            browser.close()
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_renders_whole(page, served: str, path: str) -> None:
+    response = page.goto(served + path, wait_until="load")
+    assert response is not None and response.ok, f"{path}: HTTP {response and response.status}"
+    assert page.evaluate(BROKEN_IMAGES) == [], f"{path}: images that did not load"
+    text = page.evaluate(ARTICLE_TEXT)
+    for what, pattern in RAW.items():
+        found = pattern.search(text)
+        assert found is None, f"{path}: {what} in the rendered text: {_around(text, found)!r}"
+    unparsed = page.evaluate(LIST_IN_PARAGRAPH)
+    assert unparsed == [], f"{path}: a list rendered as a paragraph: {unparsed[0][:200]!r}"
+    for box in page.evaluate(ADMONITION_ENDS):
+        assert box["children"] >= 2, f"{path}: admonition {box['title']!r} has no body"
+        if box["text"]:
+            assert SENTENCE_END.search(box["text"]), (
+                f"{path}: admonition {box['title']!r} ends mid-sentence: {box['text'][-80:]!r}"
+            )
+
+
+def _around(text: str, found: re.Match) -> str:
+    return text[max(found.start() - 60, 0) : found.end() + 60]
