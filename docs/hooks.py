@@ -223,7 +223,7 @@ def method_chain(method: str, where: str = "?") -> str:
     page_of = {klass: name for name, klass in stages.items()}
     rows = ["| runs | stage | defined at | what it does with the one below |", "|---|---|---|---|"]
     running = True
-    for klass in definers:
+    for n, klass in enumerate(definers):
         func = _function(vars(klass)[method])
         extends = _calls_super(func, method)
         where_defined = f"`{_path(klass)}:{inspect.getsourcelines(inspect.unwrap(func))[1]}`"
@@ -231,6 +231,8 @@ def method_chain(method: str, where: str = "?") -> str:
             role, runs = "not reached", "no"
         elif extends:
             role, runs = f"extends: calls `super().{method}(...)`", "yes"
+        elif n == len(definers) - 1 and not _torch_definer(final, method):
+            role, runs = "first defines it: nothing below", "yes"
         else:
             role, runs = "replaces: does not call `super()`", "yes"
         stage = page_of.get(klass)
