@@ -16,13 +16,14 @@ import functools
 import http.server
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from tests.browser import chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_PAGES = sorted(p.stem for p in (ROOT / "docs/stages").glob("*.md"))
@@ -32,11 +33,6 @@ PAGES = [
     "benchmarks/",
     *(f"bench/{p.stem}/" for p in sorted((ROOT / "docs/bench").glob("*.md"))),
 ]
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-]  # fmt: skip
 # Source that should have been rendered: snippet includes, the hooks' placeholders, a
 # bullet or an admonition that Markdown took for a paragraph.
 RAW = {
@@ -72,12 +68,6 @@ LIST_IN_PARAGRAPH = """() => [...document.querySelectorAll("article p")]
   .map(p => p.textContent).filter(t => /(^|\\n)\\s*([-*+]|\\d+\\.) \\S/.test(t))"""
 BROKEN_IMAGES = """() => [...document.images]
   .filter(img => !(img.complete && img.naturalWidth > 0)).map(img => img.src)"""
-
-
-def unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI must run the browser tests)")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -118,29 +108,18 @@ def served(site: Path):
 
 @pytest.fixture(scope="module")
 def page(served: str):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        unavailable("Chromium not found: `apt-get install chromium` (make test does as root)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("Playwright not installed: pip install -e '.[test]'")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
-            context.route(
-                "**/*",
-                lambda route: (
-                    route.continue_() if route.request.url.startswith(served) else route.abort()
-                ),
-            )
-            tab = context.new_page()
-            tab.set_default_timeout(30_000)
-            yield tab
-            context.close()
-        finally:
-            browser.close()
+    with chromium() as browser:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        context.route(  # the site only: anything else would mean a request off loopback
+            "**/*",
+            lambda route: (
+                route.continue_() if route.request.url.startswith(served) else route.abort()
+            ),
+        )
+        tab = context.new_page()
+        tab.set_default_timeout(30_000)
+        yield tab
+        context.close()
 
 
 @pytest.mark.parametrize("path", PAGES)

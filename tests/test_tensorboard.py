@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ import pytest
 
 from ddp.models import build_model
 from stages import STAGES
+from tests.browser import chromium, unavailable
 from tests.cases import STATUS, status_width
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,38 +234,11 @@ def test_loss_curves_match_torch_ddp(tensorboard: TensorBoard) -> None:
 
 # In the browser: headless Chromium on loopback only.
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    # Chromium still tries Google hosts with the flags above; this keeps it on loopback.
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-]  # fmt: skip
-
-
-def unavailable(reason: str) -> None:
-    """CI runs as root, where `make test` installs everything: there a missing piece is a
-    failure. Elsewhere (no root for apt) the browser tests skip."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI must run the browser tests)")
-    pytest.skip(reason)
-
 
 @pytest.fixture(scope="module")
 def browser():
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        unavailable("Chromium not found: `apt-get install chromium` (make test does as root)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("Playwright not installed: pip install -e '.[test]'")
-    # Playwright drives the system's Chromium: never `playwright install`, which downloads one.
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
+    with chromium() as launched:
+        yield launched
 
 
 class OfflinePage:
