@@ -362,8 +362,11 @@ def plot_breakdown(path: Path, rows: list[RunSummary], title: str) -> None:
 
     devices = {r.device for r in rows}
     device = devices.pop() if len(devices) == 1 else "mixed"
-    fig, ax = plt.subplots(figsize=(8, 4.4), dpi=100)
-    names = [r.run for r in rows]
+    font = report.FIGURE_FONT_PT
+    # Horizontal bars, first run on top: sixteen run names stay legible at 10 pt.
+    fig, ax = plt.subplots(figsize=(report.FIGURE_WIDTH_IN, 0.42 * len(rows) + 2.2))
+    names = [r.run for r in rows][::-1]
+    rows = rows[::-1]
     segments = [
         ("compute, no communication in flight", [r.compute_ms - r.hidden_ms for r in rows],
          COLOURS["compute"]),
@@ -372,25 +375,27 @@ def plot_breakdown(path: Path, rows: list[RunSummary], title: str) -> None:
         ("communication not hidden", [r.not_hidden_ms for r in rows], COLOURS["not hidden"]),
         (OTHER[device], [max(r.other_ms, 0) for r in rows], COLOURS["other"]),
     ]  # fmt: skip
-    bottom = [0.0] * len(rows)
+    left = [0.0] * len(rows)
     for label, values, colour in segments:
-        ax.bar(names, values, bottom=bottom, label=label, color=colour, width=0.6)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.barh(names, values, left=left, label=label, color=colour, height=0.7)
+        left = [b + v for b, v in zip(left, values, strict=True)]
     floor = next((r.step_ms for r in rows if r.run == COMPUTE_ONLY), None)
     if floor is not None:
-        ax.axhline(floor, color="black", linestyle="--", linewidth=1, zorder=1)
-        ax.text(-0.45, floor, "compute-only step ", va="bottom", ha="left", fontsize=8)
-    for x, r in enumerate(rows):
+        ax.axvline(floor, color="black", linestyle="--", linewidth=1, zorder=1)
+        ax.text(floor, len(rows) - 0.4, " compute-only step", va="bottom", fontsize=font)
+    for y, r in enumerate(rows):
         if r.exposed_ms is not None and r.run != COMPUTE_ONLY:
-            ax.text(x, max(bottom[x], r.step_ms) + 1, f"exposed\n{r.exposed_ms:+.1f} ms",
-                    ha="center", va="bottom", fontsize=8, zorder=3,
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # fmt: skip
-    ax.set_ylabel("ms per step (mean over ranks of the median step)")
-    ax.set_ylim(0, max(bottom + [r.step_ms for r in rows]) * 1.25)
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=8, loc="upper left", ncols=2)
-    fig.tight_layout()
-    fig.savefig(path)
+            ax.text(max(left[y], r.step_ms), y, f" exposed {r.exposed_ms:+.1f} ms",
+                    va="center", fontsize=font)  # fmt: skip
+    ax.set_xlabel("ms per step (mean over ranks of the median step)", fontsize=font)
+    ax.set_xlim(0, max(left + [r.step_ms for r in rows]) * 1.3)
+    ax.set_ylim(-0.6, len(rows) + 0.4)
+    ax.tick_params(labelsize=font)
+    ax.set_title(title, fontsize=font, wrap=True)
+    ax.grid(axis="x", alpha=0.3)
+    fig.legend(fontsize=font, loc="lower center", ncols=2)
+    fig.tight_layout(rect=(0, 0.8 / fig.get_figheight(), 1, 1))
+    report.save_figure(fig, path)
     plt.close(fig)
 
 
@@ -457,26 +462,43 @@ def plot_timeline(
     lanes = timeline_lanes(traces, results, ranks)
     if not lanes:
         raise SystemExit(f"--timeline-ranks {ranks}: no such rank in the traces")
-    fig, ax = plt.subplots(figsize=(10, 0.4 * len(lanes) + 1.6), dpi=100)
-    y, ticks = 0.0, []
+    font = report.FIGURE_FONT_PT
+    # Each run's heading (run, rank, step) written above its lanes, and the lanes named
+    # short, so the labels leave the width to the bars at 10 pt.
+    y, ys, names, heads = 0.0, [], [], []
     for lane in lanes:
-        for kind, intervals in lane.bars:
-            ax.broken_barh(_bars(intervals), (y - 0.4, 0.8), color=COLOURS[kind])
-        ticks.append(y)
-        if lane.step_ms is not None:
-            ax.plot([0, lane.step_ms], [y - 0.55] * 2, color="black", linewidth=0.8)
-            y -= 0.6  # a gap before the next run
+        head, _, name = lane.label.rpartition(": ")
+        if not heads or heads[-1][0] != head:
+            heads.append((head, y))
+            y -= 0.85
+        ys.append(y)
+        names.append(name)
         y -= 1
-    ax.set_yticks(ticks, [lane.label for lane in lanes], fontsize=7)
-    ax.set_xlabel("ms from the start of the step on the CPU (each rank's median traced step)")
+        if lane.step_ms is not None:
+            y -= 0.6  # room for the black line and a gap before the next run
+    height_in = 0.26 * -y + 1.4
+    fig, ax = plt.subplots(figsize=(report.FIGURE_WIDTH_IN, height_in))
+    for lane, lane_y in zip(lanes, ys, strict=True):
+        for kind, intervals in lane.bars:
+            ax.broken_barh(_bars(intervals), (lane_y - 0.4, 0.8), color=COLOURS[kind])
+        if lane.step_ms is not None:
+            ax.plot([0, lane.step_ms], [lane_y - 0.55] * 2, color="black", linewidth=0.8)
+    for head, head_y in heads:
+        ax.text(0, head_y, head, fontsize=font, va="center", fontweight="bold")
+    ax.set_yticks(ys, names, fontsize=font)
+    ax.set_ylim(y + 0.4, 0.45)
+    ax.tick_params(axis="x", labelsize=font)
+    ax.set_xlabel("ms from the start of the step on the CPU (each rank's median traced step)",
+                  fontsize=font)  # fmt: skip
     colour = {label: COLOURS[kind] for kind, label in LEGEND.items()}
     *patches, line = timeline_legend(lanes)
     handles = [Patch(color=colour[label], label=label) for label in patches]
     handles.append(Line2D([], [], color="black", linewidth=0.8, label=line))
-    fig.legend(handles=handles, fontsize=8, loc="upper center", ncols=3)
+    legend_in = 0.22 * -(-len(handles) // 2) + 0.1
+    fig.legend(handles=handles, fontsize=font, loc="upper center", ncols=2)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
-    fig.savefig(path)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_in / fig.get_figheight()))
+    report.save_figure(fig, path)
     plt.close(fig)
 
 

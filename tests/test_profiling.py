@@ -410,6 +410,15 @@ def test_compare_analyse_only_writes_table_files_charts_and_scalars(
         assert e.value == pytest.approx(s.step_ms - floor, rel=1e-5)
 
 
+def test_compare_charts_are_legible_at_page_width(profile_logdir, tmp_path, monkeypatch):
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
+    compare.main(["--analyse-only", str(profile_logdir), "--out", str(tmp_path), "--no-scalars"])
+    for name in ("profile-breakdown.png", "profile-timeline.png"):
+        assert_legible(tmp_path / name, sizes)
+
+
 def test_compare_will_not_overwrite_traces_without_being_asked(profile_logdir):
     with pytest.raises(SystemExit, match="already holds traced runs"):
         compare.main(["--logdir", str(profile_logdir)])
