@@ -59,6 +59,20 @@ def test_model_crossover_of_ring_and_tree() -> None:
     assert model.model_crossover(fits, "tree", "ring", 4) == pytest.approx(expected, rel=1e-3)
 
 
+def test_the_docs_figure_redrawn_from_its_json_is_legible(tmp_path, monkeypatch) -> None:
+    from profiling.collectives import cli
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
+    png, md = tmp_path / "c.png", tmp_path / "c.md"
+    results = ROOT / "docs" / "results"
+    cli.main(
+        ["--render", str(results / "collectives.json"), "--markdown", str(md), "--plot", str(png)]
+    )
+    assert_legible(png, sizes)
+    assert md.read_text() == (results / "collectives.md").read_text()  # the numbers unchanged
+
+
 def test_a_small_sweep_on_loopback(tmp_path: Path) -> None:
     out = {k: tmp_path / f"c.{k}" for k in ("json", "md", "png")}
     command = [sys.executable, "-m", "profiling.collectives", "--network", "loopback",

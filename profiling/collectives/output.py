@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
+from profiling import report
 from profiling.collectives import model
 from profiling.report import markdown_table, produced_by
 
 ORDER = ["naive", "ring", "halving_doubling", "tree", "gloo"]
 COLORS = {"naive": "tab:red", "ring": "tab:blue", "halving_doubling": "tab:green",
           "tree": "tab:purple", "gloo": "0.3"}  # fmt: skip
+LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 1}
 PREDICT_RANKS = (32, 256)  # Goyal et al.'s 32 servers; their 256 GPUs as 256 ranks
 
 
@@ -286,9 +288,12 @@ def plot(analysis: dict, path: str) -> None:
 
     rows, fits = analysis["rows"], analysis["fits"]
     keys = sorted({(r["delay_ms"], r["world_size"]) for r in rows})
-    ncols = min(len(keys), 3)
+    font = report.FIGURE_FONT_PT
+    # Two panels abreast at the docs' width, so 10 pt text shows at 10 pt.
+    ncols = min(len(keys), 2)
     nrows = -(-len(keys) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.4 * nrows), squeeze=False)
+    width_in = report.FIGURE_WIDTH_IN / ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_in * ncols, 4.6 * nrows), squeeze=False)
     for ax in axes.flat[len(keys) :]:
         ax.set_visible(False)
     for ax, (delay_ms, p) in zip(axes.flat, keys, strict=False):
@@ -306,30 +311,46 @@ def plot(analysis: dict, path: str) -> None:
                 grid = [x[0] * (x[-1] / x[0]) ** (k / 60) for k in range(61)]
                 ax.plot(grid, [model.predict(fits[algorithm], algorithm, p, s, delay_ms / 1e3) * 1e3
                                for s in grid], ls="--", lw=0.8, color=color)  # fmt: skip
-        for c in analysis["crossovers"]:
-            if (c["delay_ms"], c["world_size"]) == (delay_ms, p):
-                ring = {r["size_bytes"]: r["median_s"] for r in here if r["algorithm"] == "ring"}
-                y = _log_interp(ring, c["size_bytes"]) * 1e3
-                ax.plot([c["size_bytes"]], [y], marker="X", ms=9, color=COLORS.get(c["algorithm"]),
-                        markeredgecolor="k", zorder=5)  # fmt: skip
-                ax.annotate(size_label(c["size_bytes"]), (c["size_bytes"], y), fontsize=7,
-                            xytext=(4, -10), textcoords="offset points")  # fmt: skip
+        # Crossovers often lie close together: their labels stacked down the right margin
+        # of the panel, in the algorithm's colour, rather than beside each mark.
+        mine = [
+            c for c in analysis["crossovers"] if (c["delay_ms"], c["world_size"]) == (delay_ms, p)
+        ]
+        for i, c in enumerate(sorted(mine, key=lambda c: c["size_bytes"])):
+            ring = {r["size_bytes"]: r["median_s"] for r in here if r["algorithm"] == "ring"}
+            y = _log_interp(ring, c["size_bytes"]) * 1e3
+            ax.plot([c["size_bytes"]], [y], marker="X", ms=9, color=COLORS.get(c["algorithm"]),
+                    markeredgecolor="k", zorder=5)  # fmt: skip
+            ax.text(0.97, 0.04 + 0.08 * i, f"X {c['algorithm']}: {size_label(c['size_bytes'])}",
+                    transform=ax.transAxes, ha="right", fontsize=font,
+                    color=COLORS.get(c["algorithm"]), bbox=LABEL_BOX)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted({r["size_bytes"] for r in here})
-        ax.set_xticks(ticks, [size_label(t).replace(" ", "") for t in ticks], fontsize=7)
+        # Every other size labelled: ten labels at 10 pt do not fit half the width.
+        labels = [size_label(t).replace(" ", "") if i % 2 == 0 else "" for i, t in enumerate(ticks)]
+        ax.set_xticks(ticks, labels, fontsize=font)
         rate = here[0]["network"]
         title = f"{p} ranks, " + ("loopback" if rate == "loopback" else f"links shaped to {rate}")
         if delay_ms:
-            title += f"\nEMULATED delay {delay_ms:g} ms per step (in ddp.collectives, not the link)"
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("tensor size (float32)", fontsize=8)
-        ax.set_ylabel("all-reduce time, ms (slowest rank)", fontsize=8)
-        ax.tick_params(axis="y", labelsize=8)
+            title += (
+                f"\nEMULATED delay {delay_ms:g} ms per step\n(in ddp.collectives, not the link)"
+            )
+        ax.set_title(title, fontsize=font)
+        ax.set_xlabel("tensor size (float32)", fontsize=font)
+        ax.set_ylabel("all-reduce time, ms (slowest rank)", fontsize=font)
+        ax.tick_params(axis="y", labelsize=font)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, title="dashed: fitted model; X: crosses the ring", title_fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    # One legend for every panel, below them: the algorithms' colours are the same in each.
+    legend = {}
+    for ax in axes.flat[: len(keys)]:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    labels = _algorithms(legend)
+    fig.legend([legend[a] for a in labels], labels, fontsize=font, loc="lower center",
+               ncols=len(labels), title="dashed: fitted model; X: crosses the ring",
+               title_fontsize=font)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1))
+    report.save_figure(fig, path)
     plt.close(fig)
 
 
