@@ -290,3 +290,27 @@ def test_k_workers_of_n_equal_one_process_on_kn(pool, data, world, workers):
     assert any(
         not torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(whole, want, strict=True)
     )
+
+
+def test_the_docs_figures_redrawn_from_their_json_are_legible(tmp_path, monkeypatch):
+    """--render draws from the committed results, without training, at the docs' width."""
+    from pathlib import Path
+
+    from profiling.large_batch import cli
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
+    results = Path(__file__).resolve().parent.parent / "docs" / "results" / "large-batch.json"
+    trained = []
+    monkeypatch.setattr(cli, "run_all", lambda s: trained.append(s))
+    cli.main(["--render", str(results), "--plot-prefix", str(tmp_path / "lb")])
+    assert not trained
+    for name in ("lb-error.png", "lb-curves.png"):
+        assert_legible(tmp_path / name, sizes)
+
+
+def test_render_needs_a_plot_prefix():
+    from profiling.large_batch import cli
+
+    with pytest.raises(SystemExit, match="--plot-prefix"):
+        cli.main(["--render", "docs/results/large-batch.json"])

@@ -4,6 +4,7 @@ torchrun), then print and write the results."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -11,14 +12,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from profiling.large_batch.experiment import run_all
+from profiling.large_batch.experiment import Run, run_all
 from profiling.large_batch.results import markdown, plot, summarise
-from profiling.large_batch.settings import parse_settings
+from profiling.large_batch.settings import Settings, parse_settings
 from profiling.report import command_line, machine, write_json
 
 
 def main(argv: list[str] | None = None) -> None:
     s = parse_settings(argv)
+    if s.render:
+        render(s.render, s.plot_prefix)
+        return
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
         from ddp.dist import setup_process_group
@@ -65,3 +69,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if distributed:
             dist.destroy_process_group()
+
+
+def render(json_path: str, plot_prefix: str) -> None:
+    """The figures again from a results file, with the settings it was run with; the
+    Markdown is left alone (it names the machine and the wall time of the run)."""
+    if not plot_prefix:
+        raise SystemExit("--render needs --plot-prefix: where the figures go")
+    payload = json.loads(Path(json_path).read_text())
+    s = Settings(**{**payload["settings"], "plot_prefix": plot_prefix})
+    table = {f"{row['workers']},{row['variant']}": row for row in payload["table"]}
+    runs = [Run(**run) for run in payload["runs"]]
+    for path in plot(s, table, runs, plot_prefix):
+        print(f"wrote {path}")

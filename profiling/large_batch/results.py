@@ -8,6 +8,7 @@ import platform
 import statistics
 from pathlib import Path
 
+from profiling import report
 from profiling.large_batch.experiment import Run
 from profiling.large_batch.lr import linear_scaled_lr
 from profiling.large_batch.settings import Settings
@@ -71,7 +72,8 @@ def plot(s: Settings, table: dict, runs: list[Run], prefix: str) -> list[Path]:
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     paths = [Path(f"{prefix}-error.png"), Path(f"{prefix}-curves.png")]
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    font = report.FIGURE_FONT_PT
+    fig, ax = plt.subplots(figsize=(report.FIGURE_WIDTH_IN, 4.6))
     batches = [k * s.per_worker_batch for k in s.worker_list]
     for v in s.variant_list:
         rows = [table[f"{k},{v}"] for k in s.worker_list]
@@ -84,20 +86,25 @@ def plot(s: Settings, table: dict, runs: list[Run], prefix: str) -> list[Path]:
             label=v,
         )
     ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch k·n")
-    ax.set_ylabel("final validation error (%)")
-    ax.set_title(f"Validation error after {s.epochs} epochs (mean ± std, {s.seeds} seeds)")
+    ax.set_xticks(batches, [str(b) for b in batches], fontsize=font)
+    ax.tick_params(labelsize=font)
+    ax.set_xlabel("global batch k·n", fontsize=font)
+    ax.set_ylabel("final validation error (%)", fontsize=font)
+    ax.set_title(
+        f"Validation error after {s.epochs} epochs (mean ± std, {s.seeds} seeds)", fontsize=font
+    )
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=font)
     fig.tight_layout()
-    fig.savefig(paths[0], dpi=80)
+    report.save_figure(fig, paths[0])
     plt.close(fig)
 
     variants = s.variant_list
     cols = 2 if len(variants) > 1 else 1
     rows_n = math.ceil(len(variants) / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(9, 3.2 * rows_n), sharex=True, sharey=True)
+    fig, axes = plt.subplots(
+        rows_n, cols, figsize=(report.FIGURE_WIDTH_IN, 3.2 * rows_n), sharex=True, sharey=True
+    )
     axes = [axes] if len(variants) == 1 else list(getattr(axes, "flat", axes))
     colors = plt.cm.viridis([i / max(len(s.worker_list) - 1, 1) for i in range(len(s.worker_list))])
     for ax, v in zip(axes, variants, strict=False):
@@ -108,16 +115,17 @@ def plot(s: Settings, table: dict, runs: list[Run], prefix: str) -> list[Path]:
             ax.plot(
                 range(1, length + 1), mean, color=color, label=f"k·n = {k * s.per_worker_batch}"
             )
-        ax.set_title(v)
+        ax.set_title(v, fontsize=font)
+        ax.tick_params(labelsize=font)
         ax.grid(alpha=0.3)
     for ax in axes[len(variants) :]:
         ax.axis("off")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=font)
     for ax in axes:
         ax.set_ylim(0, 40)  # the interesting range; diverged runs (~90%) leave the top
-    fig.supxlabel("epoch")
-    fig.supylabel("training error (%), mean over seeds, clipped at 40")
+    fig.supxlabel("epoch", fontsize=font)
+    fig.supylabel("training error (%), mean over seeds, clipped at 40", fontsize=font)
     fig.tight_layout()
-    fig.savefig(paths[1], dpi=80)
+    report.save_figure(fig, paths[1])
     plt.close(fig)
     return paths

@@ -45,6 +45,11 @@ class Settings:
     plot_prefix: str = option(
         "", "write <prefix>-error.png and <prefix>-curves.png", metavar="PREFIX"
     )
+    render: str = option(
+        "",
+        "redraw --plot-prefix's figures from this --json file of an earlier run; train nothing",
+        metavar="PATH",
+    )
 
     def __post_init__(self) -> None:
         for name in ("per_worker_batch", "seeds", "epochs", "jobs", "width", "reference_batch"):
