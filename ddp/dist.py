@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -141,6 +142,20 @@ def broadcast_buffers(module: nn.Module, process_group: dist.ProcessGroup, src: 
             for b in buffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+
+def slowest_seconds(op: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds each of `repeats` calls of `op` took, every call started from a barrier on
+    every rank of the default group and timed as the slowest rank's (one collective)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
 
 
 def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> bool:

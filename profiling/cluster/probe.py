@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 PROBE_PREFIX = "PROBE_RESULT "
 
@@ -18,26 +17,21 @@ def probe_worker(megabytes: float, iterations: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddp.dist import slowest_seconds
+
     dist.init_process_group("gloo")
     try:
         numel = int(megabytes * 1e6) // 4  # float32
         tensor = torch.ones(numel)
         dist.all_reduce(tensor)  # connections, buffers
-        times = []
-        for _ in range(iterations):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            times.append(time.perf_counter() - start)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowest = slowest_seconds(lambda: dist.all_reduce(tensor), iterations)
         world = dist.get_world_size()
-        per_rank = [numel * 4 / t / 1e6 for t in slowest.tolist()]
+        per_rank = [numel * 4 / t / 1e6 for t in slowest]
         if dist.get_rank() == 0:
             result = {
                 "bytes": numel * 4,
                 "ranks": world,
-                "seconds": slowest.tolist(),
+                "seconds": slowest,
                 "MBps": statistics.median(per_rank),  # tensor bytes / time
                 "MBps_min": min(per_rank),
                 "MBps_max": max(per_rank),

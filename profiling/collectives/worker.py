@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp.collectives import all_reduce
+from ddp.dist import slowest_seconds
 
 GLOO = "gloo"  # torch's own all-reduce (Gloo's ring), the reference row
 ELEMENT_BYTES = 4  # float32
@@ -108,15 +109,7 @@ def _time_add(tensor: torch.Tensor, repeats: int) -> list[float]:
     add what they receive, timed like a call (slowest rank). Its seconds per byte of
     `tensor` is the model's gamma."""
     other = torch.zeros_like(tensor)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        tensor.add_(other)
-        times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+    return slowest_seconds(lambda: tensor.add_(other), repeats)
 
 
 if __name__ == "__main__":
