@@ -1,0 +1,3 @@
+from profiling.simulate.cli import main
+
+main()

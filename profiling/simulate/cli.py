@@ -1,0 +1,29 @@
+"""The command line: one subcommand per question the simulator answers.
+
+    python -m profiling.simulate validate [--quick]   predictions against the virtual cluster
+    python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
+    python -m profiling.simulate paper                 the papers' figures against the model
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand -> module with add_arguments(parser) and run(args); imported when chosen,
+# so `scale` does not pay for what `validate` imports.
+COMMANDS = {
+    "validate": "profiling.simulate.validate",
+    "scale": "profiling.simulate.scale",
+    "paper": "profiling.simulate.paper",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m profiling.simulate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    importlib.import_module(COMMANDS[args.command]).run(args)

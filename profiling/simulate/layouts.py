@@ -1,0 +1,45 @@
+"""Bucket layouts for the model, cut by the stages' own rule (`ddp.buckets.plan_buckets`)
+on stand-in parameters: meta tensors of each gradient's size, which hold no memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddp.buckets import plan_buckets
+from profiling.simulate.schedule import Workload
+
+
+def stand_ins(workload: Workload) -> list[tuple[str, nn.Parameter]]:
+    """One float32 meta parameter of the gradient's bytes per gradient, in parameter
+    order (the stages' models train in float32)."""
+    odd = [g.name for g in workload.grads if g.nbytes % 4]
+    if odd:
+        raise ValueError(f"gradients {odd} are not a whole number of float32 elements")
+    return [
+        (g.name, nn.Parameter(torch.empty(g.nbytes // 4, device="meta"))) for g in workload.grads
+    ]
+
+
+def uniform_buckets(
+    workload: Workload,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float | None = None,
+    ready_order: bool = False,
+) -> list[list[int]]:
+    """The layout a stage makes at this cap, as lists of gradient indices in bucket
+    order: reverse parameter order at construction, ready order once rebuilt
+    (`rebuilt_buckets` and later)."""
+    named = stand_ins(workload)
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    if ready_order:
+        named.sort(key=lambda item: workload.grads[index[id(item[1])]].ready_s)
+    plan = plan_buckets(
+        named, bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, ready_order=ready_order
+    )
+    return [[index[id(p)] for _, p in members] for members in plan]
+
+
+def per_parameter(workload: Workload) -> list[list[int]]:
+    """Naive: one all-reduce per gradient, in parameter order."""
+    return [[i] for i in range(len(workload.grads))]

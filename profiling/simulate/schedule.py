@@ -1,0 +1,269 @@
+"""The discrete-event model of one DDP step: when each gradient is ready, when each
+collective starts and ends, and so how long the step takes.
+
+It knows nothing of torch. What it is given:
+
+- a `Workload`: each gradient's size in bytes and the time it becomes ready in an
+  uncontended backward (seconds after backward starts), in parameter order; forward,
+  backward and optimizer times, all measured on one process with no communication;
+- a collective cost: bytes -> `Cost(latency_s, wire_s)`, the part of an all-reduce no
+  other collective slows (message rounds, reduction) and the part that holds the link;
+- `slowdown`: how much longer backward's compute takes while communication runs on the
+  same cores (0.3: 30% longer). On a laptop's two cores it is large; on a GPU, whose
+  communication runs on its own engine and NIC, it is small.
+
+What a stage does with them (`StageSchedule`):
+
+- `after_backward` (naive, bucketed): backward runs alone, then one blocking collective
+  per gradient (naive) or per bucket (bucketed), one after the other;
+- overlapped (overlapped, skip_sync, drop_in): a bucket is launched once all its
+  gradients are ready and every earlier bucket was launched (buckets go out in bucket
+  order on every rank), into a queue served one collective at a time; backward goes on
+  at 1 / (1 + slowdown) of its speed while a collective is in flight. The step waits
+  for the last collective, then runs the optimizer;
+- `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
+  and collectives in their wire phase at the same time share the link equally;
+- `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward with
+  no communication, then one synchronised.
+
+Everything is in seconds. The schedule is exact for the model: tests check it against
+schedules worked out by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Grad:
+    """One parameter's gradient."""
+
+    name: str
+    nbytes: int
+    ready_s: float  # after backward starts, with nothing else running
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch's compute, measured on one process."""
+
+    grads: tuple[Grad, ...]  # in parameter order (model.parameters())
+    forward_s: float
+    backward_s: float  # from backward's start to its last gradient and its end
+    optimizer_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One all-reduce: `latency_s` that nothing shares, then `wire_s` on the link."""
+
+    latency_s: float
+    wire_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_s + self.wire_s
+
+
+CostModel = Callable[[int], Cost]  # bytes -> the cost of one all-reduce of that many
+
+
+def linear_cost(latency_s: float, s_per_byte: float) -> CostModel:
+    """The simplest cost model: a fixed latency, then bytes at one rate."""
+    return lambda nbytes: Cost(latency_s, nbytes * s_per_byte)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A bar in the Gantt chart."""
+
+    lane: str  # "compute", "comm" or "comm <k>" with several lanes
+    label: str  # forward, backward, optimizer, or the collective's bucket
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Step:
+    """The simulated step: its segments and what they add up to."""
+
+    segments: list[Segment] = field(default_factory=list)
+    step_s: float = 0.0
+    compute_s: float = 0.0  # the same step with no communication at all
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """What synchronising adds over compute alone."""
+        return self.step_s - self.compute_s
+
+    def lane(self, lane: str) -> list[Segment]:
+        return [s for s in self.segments if s.lane == lane]
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """How a stage communicates: the features of the stages the model tells apart."""
+
+    overlap: bool  # launch buckets during backward (overlapped and later) or after it
+    lanes: int = 1  # round-robin process groups
+    accumulation_steps: int = 1  # micro-batches per step, all but the last under no_sync
+
+
+# --8<-- [start:simulate]
+def simulate(
+    workload: Workload,
+    buckets: Sequence[Sequence[int]],
+    cost: CostModel,
+    schedule: StageSchedule,
+    slowdown: float = 0.0,
+) -> Step:
+    """One step of a stage whose buckets (lists of indices into workload.grads, in the
+    order they are all-reduced) are `buckets`. Naive is one bucket per gradient, in
+    parameter order, with `overlap=False`."""
+    step = Step(compute_s=schedule.accumulation_steps * (workload.forward_s + workload.backward_s)
+                + workload.optimizer_s)  # fmt: skip
+    t = 0.0
+    for k in range(schedule.accumulation_steps - 1):  # under no_sync: compute only
+        t = _compute(step, t, "forward", workload.forward_s)
+        t = _compute(step, t, "backward", workload.backward_s, note=f" (no_sync {k + 1})")
+    t = _compute(step, t, "forward", workload.forward_s)
+    if schedule.overlap:
+        t = _overlapped_backward(step, t, workload, buckets, cost, schedule.lanes, slowdown)
+    else:
+        t = _compute(step, t, "backward", workload.backward_s)
+        for index, members in enumerate(buckets):  # blocking, one after the other
+            c = cost(sum(workload.grads[i].nbytes for i in members))
+            step.segments.append(
+                Segment("comm", _label(workload, members, index), t, t + c.seconds)
+            )
+            t += c.seconds
+    t = _compute(step, t, "optimizer", workload.optimizer_s)
+    step.step_s = t
+    return step
+
+
+# --8<-- [end:simulate]
+
+
+def _compute(step: Step, t: float, label: str, seconds: float, note: str = "") -> float:
+    step.segments.append(Segment("compute", label + note, t, t + seconds))
+    return t + seconds
+
+
+def _label(workload: Workload, members: Sequence[int], index: int) -> str:
+    if len(members) == 1:
+        return workload.grads[members[0]].name
+    return f"bucket {index}"
+
+
+@dataclass
+class _InFlight:
+    index: int
+    lane: int
+    start_s: float
+    latency_left_s: float
+    wire_left_s: float  # at the full link; slower while it shares the link
+
+
+# --8<-- [start:overlap]
+def _overlapped_backward(
+    step: Step,
+    start_s: float,
+    workload: Workload,
+    buckets: Sequence[Sequence[int]],
+    cost: CostModel,
+    lanes: int,
+    slowdown: float,
+) -> float:
+    """Backward with buckets launched as they fill; returns when the last collective
+    ends (or backward, if later). An event loop: at each turn, find the next thing to
+    happen (a gradient ready, backward's end, a collective's latency or wire done),
+    move every clock to it, and act on it."""
+    grads = workload.grads
+    bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+    pending = [len(members) for members in buckets]  # gradients still to come, per bucket
+    by_ready = sorted(range(len(grads)), key=lambda i: grads[i].ready_s)
+    next_ready = 0  # into by_ready
+    next_launch = 0  # buckets go out in bucket order
+    queues: list[list[int]] = [[] for _ in range(lanes)]  # launched, waiting for the lane
+    flying: list[_InFlight] = []
+    t, done_s = start_s, 0.0  # wall clock; backward's compute done, in uncontended seconds
+    backward_end = None
+    while True:
+        # Launch every bucket that is full and next in order; start idle lanes.
+        while next_launch < len(buckets) and pending[next_launch] == 0:
+            queues[next_launch % lanes].append(next_launch)
+            next_launch += 1
+        for lane, queue in enumerate(queues):
+            if queue and not any(f.lane == lane for f in flying):
+                index = queue.pop(0)
+                c = cost(sum(grads[i].nbytes for i in buckets[index]))
+                flying.append(_InFlight(index, lane, t, c.latency_s, c.wire_s))
+        if backward_end is not None and not flying and next_launch == len(buckets):
+            return t
+        # Rates: backward slows while anything is in flight; wires share the link.
+        compute_rate = 1.0 / (1.0 + slowdown) if flying else 1.0
+        on_wire = [f for f in flying if f.latency_left_s <= 0]
+        wire_rate = 1.0 / len(on_wire) if on_wire else 1.0
+        candidates = []
+        if backward_end is None:
+            target = grads[by_ready[next_ready]].ready_s if next_ready < len(grads) else None
+            target = workload.backward_s if target is None else target
+            candidates.append((target - done_s) / compute_rate)
+        for f in flying:
+            left = f.latency_left_s if f.latency_left_s > 0 else f.wire_left_s / wire_rate
+            candidates.append(left)
+        dt = max(0.0, min(candidates))
+        # Move every clock by dt.
+        t += dt
+        if backward_end is None:
+            done_s += dt * compute_rate
+        for f in flying:
+            if f.latency_left_s > 0:
+                f.latency_left_s -= dt
+            else:
+                f.wire_left_s -= dt * wire_rate
+        # Act: gradients that are now ready, backward's end, collectives that ended.
+        while next_ready < len(grads) and grads[by_ready[next_ready]].ready_s <= done_s + 1e-15:
+            i = by_ready[next_ready]
+            if i in bucket_of:  # frozen parameters have no bucket
+                pending[bucket_of[i]] -= 1
+            next_ready += 1
+        if (
+            backward_end is None
+            and next_ready == len(grads)
+            and done_s >= workload.backward_s - 1e-15
+        ):
+            backward_end = t
+            step.segments.append(Segment("compute", "backward", start_s, t))
+        for f in [f for f in flying if f.latency_left_s <= 1e-15 and f.wire_left_s <= 1e-15]:
+            flying.remove(f)
+            lane = "comm" if lanes == 1 else f"comm {f.lane}"
+            label = _label(workload, buckets[f.index], f.index)
+            step.segments.append(Segment(lane, label, f.start_s, t))
+
+
+# --8<-- [end:overlap]
+
+
+def achievable_bound(
+    workload: Workload, buckets: Sequence[Sequence[int]], cost: CostModel
+) -> float:
+    """The fastest this layout can step: the overlapped schedule with no contention.
+    Tighter than max(compute, forward + comm + optimizer), which lets communication
+    start before any gradient exists."""
+    return simulate(workload, buckets, cost, StageSchedule(overlap=True)).step_s
+
+
+def perfect_overlap_bound(
+    workload: Workload, buckets: Sequence[Sequence[int]], cost: CostModel
+) -> float:
+    """The bound the benchmark tables print: max(compute, forward + comm + optimizer)."""
+    comm = sum(cost(sum(workload.grads[i].nbytes for i in m)).seconds for m in buckets)
+    return max(workload.compute_s, workload.forward_s + comm + workload.optimizer_s)

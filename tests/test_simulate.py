@@ -1,0 +1,123 @@
+"""The simulator's arithmetic against schedules worked out by hand on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from profiling.simulate.layouts import per_parameter, uniform_buckets
+from profiling.simulate.schedule import (
+    Cost,
+    Grad,
+    StageSchedule,
+    Workload,
+    achievable_bound,
+    linear_cost,
+    perfect_overlap_bound,
+    simulate,
+)
+
+MiB = 2**20
+# Two gradients of 100 bytes: the last layer's ready 1 s into backward, the first's at 3 s.
+TWO = Workload(
+    grads=(Grad("first", 100, 3.0), Grad("last", 100, 1.0)),
+    forward_s=2.0,
+    backward_s=4.0,
+    optimizer_s=1.0,
+)
+COST = linear_cost(latency_s=1.0, s_per_byte=0.01)  # 100 bytes: 1 + 1 = 2 s
+
+
+def bars(step, lane):
+    return [(s.label, pytest.approx(s.start_s), pytest.approx(s.end_s)) for s in step.lane(lane)]
+
+
+def test_two_buckets_overlapped():
+    # forward 0-2; backward 2-6; "last" ready at 3: bucket 0 on the wire 3-5; "first"
+    # ready at 5: bucket 1 5-7; the optimizer waits for it: 7-8.
+    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True))
+    assert bars(step, "comm") == [("last", 3, 5), ("first", 5, 7)]
+    assert ("backward", 2, 6) in bars(step, "compute")
+    assert step.step_s == pytest.approx(8.0)
+    assert step.compute_s == pytest.approx(7.0)
+    assert step.exposed_comm_s == pytest.approx(1.0)
+
+
+def test_two_buckets_overlapped_with_contention():
+    # Backward runs at 1/1.5 of its speed while a collective flies. 2-3: 1 s of backward
+    # done, "last" ready. 3-5: bucket 0 flies, backward does 2 x 2/3 = 4/3 (7/3 in all).
+    # 5-5.667: alone again, 2/3 more: "first" ready at 17/3; bucket 1 17/3-23/3.
+    # Backward's last second, under bucket 1: 1.5 s, ends at 43/6. Optimizer 23/3-26/3.
+    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True), slowdown=0.5)
+    assert bars(step, "comm") == [("last", 3, 5), ("first", 17 / 3, 23 / 3)]
+    assert ("backward", 2, 43 / 6) in bars(step, "compute")
+    assert step.step_s == pytest.approx(26 / 3)
+
+
+def test_one_bucket_waits_for_the_whole_backward():
+    step = simulate(TWO, [[1, 0]], COST, StageSchedule(overlap=True))
+    # Both ready at 5 (backward's 3 s), 200 bytes: 1 + 2 = 3 s, 5-8; optimizer 8-9.
+    assert bars(step, "comm") == [("bucket 0", 5, 8)]
+    assert step.step_s == pytest.approx(9.0)
+
+
+def test_buckets_go_out_in_bucket_order():
+    # Bucket 0 holds "first" (ready last): bucket 1 is full at 3 but must wait for it.
+    step = simulate(TWO, [[0], [1]], COST, StageSchedule(overlap=True))
+    assert bars(step, "comm") == [("first", 5, 7), ("last", 7, 9)]
+
+
+def test_naive_after_backward_one_per_parameter_in_parameter_order():
+    step = simulate(TWO, per_parameter(TWO), COST, StageSchedule(overlap=False))
+    # backward 2-6, then "first" 6-8, "last" 8-10, optimizer 10-11.
+    assert bars(step, "comm") == [("first", 6, 8), ("last", 8, 10)]
+    assert step.step_s == pytest.approx(11.0)
+
+
+def test_no_sync_accumulation_communicates_once():
+    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True, accumulation_steps=3))
+    # Two micro-batches of 6 s with no communication, then the synced one as above: 12 + 8.
+    assert len(step.lane("comm")) == 2
+    assert [s.label for s in step.lane("compute")].count("forward") == 3
+    assert step.step_s == pytest.approx(20.0)
+    assert step.compute_s == pytest.approx(19.0)
+
+
+def test_lanes_overlap_latency_and_share_the_wire():
+    both_at_once = Workload((Grad("a", 100, 1.0), Grad("b", 100, 1.0)), 0.0, 1.0, 0.0)
+    latency_only = lambda nbytes: Cost(1.0, 0.0)  # noqa: E731
+    wire_only = lambda nbytes: Cost(0.0, 1.0)  # noqa: E731
+    one, two = StageSchedule(overlap=True), StageSchedule(overlap=True, lanes=2)
+    # Latency: one lane 1-2-3, two lanes both 1-2.
+    assert simulate(both_at_once, [[0], [1]], latency_only, one).step_s == pytest.approx(3.0)
+    assert simulate(both_at_once, [[0], [1]], latency_only, two).step_s == pytest.approx(2.0)
+    # The wire: two lanes at half speed each end together, no sooner than one lane.
+    step = simulate(both_at_once, [[0], [1]], wire_only, two)
+    assert bars(step, "comm 0") == [("a", 1, 3)] and bars(step, "comm 1") == [("b", 1, 3)]
+
+
+def test_bucket_larger_than_the_cap_gets_its_own():
+    big = Workload(
+        (Grad("w0", 3 * MiB, 2.0), Grad("w1", MiB // 2, 1.0), Grad("w2", MiB // 2, 0.5)),
+        0.0, 2.0, 0.0,
+    )  # fmt: skip
+    # Reverse parameter order: w2 and w1 fill 1 MiB exactly; w0 is over the cap, alone.
+    assert uniform_buckets(big, 1.0) == [[2, 1], [0]]
+    # A first bucket capped at 0.5 MiB holds w2 alone.
+    assert uniform_buckets(big, 1.0, first_bucket_cap_mb=0.5) == [[2], [1], [0]]
+    # bucketed: after backward, w2+w1 (1 MiB) then w0 (3 MiB) at 1 s + 1 s/MiB.
+    cost = linear_cost(1.0, 1.0 / MiB)
+    step = simulate(big, [[2, 1], [0]], cost, StageSchedule(overlap=False))
+    assert bars(step, "comm") == [("bucket 0", 2, 4), ("w0", 4, 8)]
+
+
+def test_ready_order_layout_follows_measured_readiness():
+    w = Workload((Grad("a", 8, 0.2), Grad("b", 8, 0.1), Grad("c", 8, 0.3)), 0, 1, 0)
+    assert uniform_buckets(w, 16 / MiB, ready_order=True) == [[1, 0], [2]]
+
+
+def test_bounds():
+    layout = [[1], [0]]
+    # Perfect overlap lets the 4 s of communication run from backward's start: max(7, 2+4+1).
+    assert perfect_overlap_bound(TWO, layout, COST) == pytest.approx(7.0)
+    # With the measured ready times it cannot start before 3: the 8 s schedule above.
+    assert achievable_bound(TWO, layout, COST) == pytest.approx(8.0)
