@@ -16,6 +16,9 @@ from torch import nn
 from ddp.watchdog import Watchdog
 
 _watchdog: Watchdog | None = None  # the heartbeat of the group setup_process_group made
+# Groups made once and shared by every wrapper that asks with the same key (new_group is
+# collective and costly); dropped at teardown, so that no group outlives it.
+_shared_groups: dict[object, list[dist.ProcessGroup]] = {}
 
 
 def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -> torch.device:
@@ -43,6 +46,7 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
     else:
         raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
     if not dist.is_initialized():
+        _import_dynamo_first()
         # 10% over the watchdog's, which names the missing rank where Gloo cannot.
         timeout = timedelta(seconds=timeout_s * 1.1) if timeout_s is not None else None
         store, rank, world_size = next(dist.rendezvous("env://"))
@@ -58,6 +62,28 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
             global _watchdog
             _watchdog = Watchdog(dist.PrefixStore("heartbeat", store), rank, world_size, timeout_s)
     return device
+
+
+def _import_dynamo_first() -> None:
+    """Import torch._dynamo now, before the group exists.
+
+    The optimizer's first step imports it lazily, and importing it while a process group
+    exists leaves references to the group inside torch (10, by sys.getrefcount) that
+    destroy_process_group does not drop. The group then outlives teardown, and Gloo's
+    threads (`gloo_tcp_loop`, `pt_gloo_runloop`) run on into interpreter shutdown, where
+    about one exit in 500 aborted ("terminate called without an active exception").
+    Imported first, it holds nothing, and teardown ends every Gloo thread."""
+    import torch._dynamo  # noqa: F401
+
+
+def shared_groups(
+    key: object, make: Callable[[], list[dist.ProcessGroup]]
+) -> list[dist.ProcessGroup]:
+    """`make()`'s groups, made on the first call with `key` and returned again after,
+    until `teardown_process_group`."""
+    if key not in _shared_groups:
+        _shared_groups[key] = make()
+    return _shared_groups[key]
 
 
 def require_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -183,14 +209,20 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def teardown_process_group() -> None:
-    """Destroy the process group, after freeing every object that still refers to it.
+    """Destroy the process group, after dropping everything that still refers to it.
 
-    A Gloo group still referenced (from a stage's reference cycle, say) is freed only at
-    interpreter shutdown, where its threads abort the process ("terminate called without
-    an active exception"). Collecting first lets it die while Python is still alive."""
+    A Gloo group still referenced after destroy_process_group lives on, and its threads
+    (`gloo_tcp_loop`, `pt_gloo_runloop`) with it, into interpreter shutdown, where they
+    can abort the process ("terminate called without an active exception"). Three
+    things held it: a wrapper kept alive by its own parameter hooks (the hooks now hold
+    it weakly: stage overlapped), torch._dynamo imported after the group was made
+    (`_import_dynamo_first`), and the round-robin groups shared between wrappers
+    (`shared_groups`, dropped here). tests/test_torchrun.py checks that no Gloo thread
+    is left after a stage's run."""
     global _watchdog
     if _watchdog is not None:
         _watchdog.stop()
         _watchdog = None
+    _shared_groups.clear()
     gc.collect()
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ before it. Cost: the bucket order only approximates the order gradients are read
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -42,8 +43,15 @@ class OverlappedDDP(BucketedDDP):
     def _register_hooks(self) -> None:
         # Fires once per backward, after the parameter's gradient is summed into .grad
         # (once even for tied weights that receive gradient from two places).
+        # The hook holds this wrapper weakly. A tensor keeps its hooks from C++, where
+        # Python's garbage collector cannot follow, so a strong reference would make a
+        # cycle (parameter -> hook -> wrapper -> module -> parameter) that is never freed:
+        # the wrapper and its process group would live on into interpreter shutdown, and
+        # Gloo's threads with them, which abort the process if they touch Python then
+        # ("terminate called without an active exception").
+        on_ready = weakref.WeakMethod(self._on_grad_ready)
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket, i))
+            param.register_post_accumulate_grad_hook(partial(_call_weakly, on_ready, bucket, i))
             for bucket in self.buckets
             for i, param in enumerate(bucket.params)
         ]
@@ -141,6 +149,13 @@ class OverlappedDDP(BucketedDDP):
             )
 
     # --8<-- [end:finish]
+
+
+def _call_weakly(method: weakref.WeakMethod, *args) -> None:
+    """Call the method if its object is still alive (a wrapper dropped by its user is)."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 if __name__ == "__main__":

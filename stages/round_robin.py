@@ -14,7 +14,8 @@ Whether it helps depends on where the time goes: on two shared CPU cores, more G
 threads compete with backward for the same cores (see the benchmarks page). Making a
 group is collective over the default group, so every process must build the wrapper
 (or pass groups it made); groups are kept for reuse by later wrappers over the same
-ranks. A registered comm hook picks its own group and is not spread.
+ranks, until `ddp.dist.teardown_process_group`. A registered comm hook picks its own
+group and is not spread.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from ddp.dist import shared_groups
 from stages.comm_hooks import CommHooksDDP
-
-_GROUPS: dict[tuple[tuple[int, ...], int], list[dist.ProcessGroup]] = {}
 
 
 # --8<-- [start:construction]
@@ -60,11 +60,12 @@ def _round_robin(
     if isinstance(groups, int):
         if groups < 1:
             raise ValueError(f"round_robin_groups must be >= 1, got {groups}")
-        if (tuple(ranks), groups) not in _GROUPS:
-            # new_group is collective over the default group: every process calls it.
-            extra = [dist.new_group(ranks) for _ in range(groups - 1)]
-            _GROUPS[tuple(ranks), groups] = [group, *extra]
-        return _GROUPS[tuple(ranks), groups]
+        # new_group is collective over the default group: every process calls it.
+        extra = shared_groups(
+            ("round_robin", tuple(ranks), groups),
+            lambda: [dist.new_group(ranks) for _ in range(groups - 1)],
+        )
+        return [group, *extra]
     for other in groups:
         if dist.get_process_group_ranks(other) != ranks:
             raise ValueError(

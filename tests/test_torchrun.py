@@ -54,3 +54,18 @@ def test_stage_with_accumulation(stage: str) -> None:
     row, digest = out.stdout.strip().splitlines()[-2:]
     assert row.split()[0] == stage and row.split()[-1] == "True"
     assert re.fullmatch(r"params sha256: [0-9a-f]{64}", digest)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc/self/task")
+@pytest.mark.parametrize("stage", ["skip_sync", "drop_in"])
+def test_no_gloo_thread_outlives_teardown(stage: str) -> None:
+    """A process group that outlives teardown keeps Gloo's threads running into
+    interpreter shutdown, where they can abort the process at exit."""
+    script = str(ROOT / "tests" / "fixtures" / "threads_after_teardown.py")
+    args = ["--steps", "2", "--accumulation-steps", "3", "--model", "frozen"]
+    out = torchrun(3, script, stage, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "threads after teardown" in line]
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        assert "gloo" not in line, line
