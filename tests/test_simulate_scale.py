@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -55,6 +56,16 @@ def test_bucket_curve_has_its_minimum_inside():
     assert step == pytest.approx({"per parameter": 2.51, "10": 1.07, "one bucket": 1.52})
     assert scale.bucket_curve_is_u(result, 2)
     assert scale.best_caps(result) == [(2, "10 MiB", pytest.approx(1.07))]
+
+
+def test_bucket_curve_without_latency_has_no_u():
+    # No latency: an all-reduce of k MiB takes 5k ms. One per parameter keeps up (5 ms
+    # every 10 ms): the last ends at 1.005 s; 10 MiB buckets: 1.05 s; one bucket: 1.5 s.
+    result = scale.sweep(HUNDRED, replace(LINK, intra_latency_s=0.0), "ring", [2], 10, [10])
+    step = {r["layout"]: r["step_s"] for r in result["bucket_curve"]}
+    assert step == pytest.approx({"per parameter": 1.005, "10": 1.05, "one bucket": 1.5})
+    assert not scale.bucket_curve_is_u(result, 2)
+    assert scale.best_caps(result)[0][1] == "per parameter"
 
 
 def test_goyal_latency_for_3x_gives_3x():

@@ -45,6 +45,15 @@ def test_halving_doubling_on_two_servers_of_two():
     assert costs(halving_doubling(TWO_BY_TWO, 40)) == (0.5 + 22 + 0.3, 8.2)
 
 
+def test_halving_doubling_on_four_servers_of_two():
+    # 80 bytes. Distance 4, another server: 40 B from each GPU, 80 B through each NIC,
+    # 8 s; distance 2, another server too: 20 B each, 4 s; distance 1, the neighbour on
+    # NVLink: 10 B, 0.1 s. The doubling the same back: 24.2 s. 4 steps across, 2 inside;
+    # 40 + 20 + 10 B added.
+    four = Topology(nodes=4, gpus_per_node=2, **LINKS)
+    assert costs(halving_doubling(four, 80)) == (0.5 + 42 + 0.7, 24.2)
+
+
 def test_hierarchical_on_two_servers_of_two():
     # Reduce-scatter inside: 1 step, 20 B over NVLink (0.2 s), 20 B added. Each GPU's
     # 20 B shard with its peer on the other server: a ring of 2, 2 steps (20 s), 20 B
