@@ -92,7 +92,10 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_scale_command_writes_its_results(tmp_path, capsys):
+def test_scale_command_writes_its_results(tmp_path, capsys, monkeypatch):
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
     out = tmp_path / "s.json"
     scale.run(
         _args(
@@ -120,10 +123,13 @@ def test_scale_command_writes_its_results(tmp_path, capsys):
     assert data["settings"]["topology"]["inter_bytes_per_s"] == pytest.approx(25e9 / 8)
     assert data["settings"]["network"] == "li2020 (modified)"
     assert "| 32 | 4 |" in (tmp_path / "s.md").read_text()
-    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert_legible(tmp_path / "s.png", sizes)
 
 
-def test_paper_command_writes_every_fragment(tmp_path):
+def test_paper_command_writes_every_fragment(tmp_path, monkeypatch):
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
     (tmp_path / "results").mkdir()
     (tmp_path / "images").mkdir()
     paper.run(_args(paper, ["--out", str(tmp_path)]))
@@ -139,4 +145,4 @@ def test_paper_command_writes_every_fragment(tmp_path):
     }
     summary = (tmp_path / "results" / "paper-summary.md").read_text()
     assert summary.count("\n| ") == 9  # header and the eight figures
-    assert (tmp_path / "images" / "paper.png").stat().st_size > 10_000
+    assert_legible(tmp_path / "images" / "paper.png", sizes)

@@ -487,7 +487,7 @@ def plot(result: dict, path) -> None:
     a.set_xlabel("GPUs")
     a.set_ylabel("E(p) = T(8) / T(p)")
     a.set_title("scaling efficiency (model)")
-    a.legend(fontsize=report.FIGURE_FONT_PT - 1)
+    a.legend()
     a.grid(alpha=0.3)
 
     lo = result["li_overlap"]
@@ -560,7 +560,7 @@ def plot(result: dict, path) -> None:
     d.set_xlabel("buffer")
     d.set_ylabel("ring time / halving-doubling time")
     d.set_title(f"{GOYAL_SERVERS} servers, 50 Gbit/s (model)")
-    d.legend(fontsize=report.FIGURE_FONT_PT - 1, loc="upper right")
+    d.legend(loc="upper right")
     d.grid(alpha=0.3)
     fig.tight_layout()
     report.save_figure(fig, path)

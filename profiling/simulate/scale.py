@@ -404,7 +404,7 @@ def plot(result: dict, path: str) -> None:
     right.set_xlabel("bucket_cap_mb (MiB)")
     right.set_ylabel("step time, ms")
     right.set_title(f"{s['model']}, {s['network']}, {s['algorithm']}", fontsize=font)
-    right.legend(title="GPUs", fontsize=font - 1, title_fontsize=font - 1, ncols=2)
+    right.legend(title="GPUs", ncols=2)
     right.grid(alpha=0.3)
     fig.tight_layout()
     report.save_figure(fig, path)

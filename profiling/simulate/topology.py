@@ -147,6 +147,7 @@ def halving_doubling(topo: Topology, nbytes: float) -> Cost:
     return _cost(topo, latency, c.added, wire)
 
 
+# --8<-- [start:hierarchical]
 def hierarchical(topo: Topology, nbytes: float, inter_algorithm: str = "ring") -> Cost:
     """Reduce-scatter in each server, every GPU's shard all-reduced across servers at
     once (`inter_algorithm`: ring or halving_doubling), all-gather in each server."""
@@ -156,6 +157,9 @@ def hierarchical(topo: Topology, nbytes: float, inter_algorithm: str = "ring") -
     latency = cg.steps * topo.intra_latency_s + cn.steps * topo.inter_latency_s
     wire = cg.sent / topo.intra_bytes_per_s + g * cn.sent / topo.inter_bytes_per_s
     return _cost(topo, latency, cg.added + cn.added, wire)
+
+
+# --8<-- [end:hierarchical]
 
 
 def _cost(topo: Topology, rounds_s: float, added_bytes: float, wire_s: float) -> Cost:
