@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the all-reduce (default: the flat ring, NCCL's for large buffers)",
     )
     cluster = parser.add_argument_group("cluster (each overrides the preset's value)")
-    cluster.add_argument("--gpus-per-node", type=int)
+    cluster.add_argument("--gpus-per-node", type=int, help="GPUs in one server")
     cluster.add_argument("--nodes", type=int, help="sweep up to this many servers")
     cluster.add_argument(
         "--intra-gbps", type=float, help="GPU link inside a server, Gbit/s each way"
