@@ -32,6 +32,7 @@ PAGES = [
     "final_class/",
     "benchmarks/",
     *(f"bench/{p.stem}/" for p in sorted((ROOT / "docs/bench").glob("*.md"))),
+    "scaling/",
 ]
 # Source that should have been rendered: snippet includes, the hooks' placeholders, a
 # bullet or an admonition that Markdown took for a paragraph.

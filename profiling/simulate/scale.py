@@ -1,0 +1,430 @@
+"""Scaling efficiency from 8 to 256 GPUs, and the bucket-size curve at each GPU count.
+
+    python -m profiling.simulate scale --model resnet50 --network li2020
+    python -m profiling.simulate scale --model bert_large --network li2020
+    python -m profiling.simulate scale --model resnet50 --network goyal2017 \\
+        --algorithm hierarchical_halving_doubling
+    python -m profiling.simulate scale --model resnet50 --network li2020 --inter-gbps 25
+
+Weak scaling, as both papers measure it: every GPU keeps its batch, so p GPUs process
+p times the samples of one, and a step of p GPUs takes T(p) = one GPU's compute plus
+whatever communication it cannot hide (`schedule.simulate` on the cluster's all-reduce
+cost, `topology`). The scaling efficiency at p is the per-GPU throughput there over the
+per-GPU throughput at the reference count p0 (the first of --gpus, 8: one full server):
+
+    E(p) = (batch / T(p)) / (batch / T(p0)) = T(p0) / T(p)
+
+E(p0) = 1; E(256) = 0.9 is Goyal et al.'s "~90% scaling efficiency from 8 to 256
+GPUs". With bandwidths and latencies that do not improve with more servers, every
+all-reduce costs at least as much on more GPUs, so in this model E never rises with p.
+
+The bucket-size curve is the step time at each bucket_cap_mb of --bucket-caps (MiB,
+the stages' layout rule), plus one bucket per parameter and a single bucket for all.
+Writes a results JSON, a Markdown fragment for the docs and a figure (paths below).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from profiling.simulate.schedule import StageSchedule, Workload, simulate
+
+DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
+DEFAULT_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]
+PER_PARAMETER, ONE_BUCKET = "per parameter", "one bucket"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from profiling.simulate import presets, topology
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    parser.add_argument(
+        "--model",
+        choices=list(presets.MODELS),
+        default="resnet50",
+        help="model preset: its gradients and published iteration time",
+    )
+    parser.add_argument(
+        "--network",
+        choices=list(presets.NETWORKS),
+        default="li2020",
+        help="cluster preset: servers, links, latencies and GPU model",
+    )
+    parser.add_argument(
+        "--algorithm",
+        choices=list(topology.ALGORITHMS),
+        default="ring",
+        help="the all-reduce (default: the flat ring, NCCL's for large buffers)",
+    )
+    cluster = parser.add_argument_group("cluster (each overrides the preset's value)")
+    cluster.add_argument("--gpus-per-node", type=int, help="GPUs in one server")
+    cluster.add_argument("--nodes", type=int, help="sweep up to this many servers")
+    cluster.add_argument(
+        "--intra-gbps", type=float, help="GPU link inside a server, Gbit/s each way"
+    )
+    cluster.add_argument(
+        "--inter-gbps", type=float, help="server link to the network, Gbit/s each way"
+    )
+    cluster.add_argument("--intra-latency-us", type=float, help="per step inside a server")
+    cluster.add_argument("--inter-latency-us", type=float, help="per step across servers")
+    cluster.add_argument("--call-latency-us", type=float, help="per collective")
+    parser.add_argument(
+        "--gpus",
+        default=",".join(map(str, DEFAULT_GPUS)),
+        help="GPU counts, comma-separated; the first is the reference",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="the bucket cap of the efficiency curve (MiB)",
+    )
+    parser.add_argument(
+        "--bucket-caps",
+        default=",".join(map(str, DEFAULT_CAPS_MB)),
+        help="bucket caps of the bucket-size curve (MiB), comma-separated",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=0.0,
+        help="backward's slowdown while a collective runs (0: none, as on a "
+        "GPU whose communication has its own engine)",
+    )
+    parser.add_argument(
+        "--after-backward",
+        action="store_true",
+        help="all-reduce after backward (bucketed) instead of during it",
+    )
+    parser.add_argument(
+        "--json", help="results JSON (default docs/results/scale-MODEL-NETWORK.json)"
+    )
+    parser.add_argument("--markdown", help="Markdown fragment (default: the JSON's, .md)")
+    parser.add_argument("--plot", help="figure (default docs/images/scale-MODEL-NETWORK.png)")
+    parser.add_argument("--no-files", action="store_true", help="print only")
+
+
+# --8<-- [start:sweep]
+def layouts(workload: Workload, caps_mb: list[float]) -> dict[str, list[list[int]]]:
+    """Bucket layouts by label: one per parameter, each cap's, one bucket; all in
+    reverse parameter order, as the stages build them."""
+    from profiling.simulate.layouts import uniform_buckets
+
+    last_first = list(reversed(range(len(workload.grads))))
+    out = {PER_PARAMETER: [[i] for i in last_first]}
+    for cap in caps_mb:
+        out[f"{cap:g}"] = uniform_buckets(workload, cap)
+    out[ONE_BUCKET] = [last_first]
+    return out
+
+
+def step_seconds(
+    workload: Workload, buckets, cost, *, overlap: bool = True, slowdown: float = 0.0
+) -> float:
+    return simulate(workload, buckets, cost, StageSchedule(overlap=overlap), slowdown).step_s
+
+
+def sweep(
+    workload: Workload,
+    topo,
+    algorithm: str,
+    gpus: list[int],
+    bucket_cap_mb: float,
+    caps_mb: list[float],
+    *,
+    overlap: bool = True,
+    slowdown: float = 0.0,
+) -> dict:
+    """E(p) at `bucket_cap_mb` and the bucket-size curve at every p in `gpus`."""
+    from profiling.simulate.topology import cost_model
+
+    shapes = layouts(workload, sorted(set(caps_mb) | {bucket_cap_mb}))
+    curve, scaling = [], []
+    for p in gpus:
+        here = topo.with_gpus(p)
+        cost = cost_model(here, algorithm)
+        for label, buckets in shapes.items():
+            curve.append(
+                {
+                    "gpus": p,
+                    "layout": label,
+                    "buckets": len(buckets),
+                    "step_s": step_seconds(
+                        workload, buckets, cost, overlap=overlap, slowdown=slowdown
+                    ),
+                }
+            )
+        step = next(
+            r["step_s"] for r in curve if r["gpus"] == p and r["layout"] == f"{bucket_cap_mb:g}"
+        )
+        scaling.append(
+            {"gpus": p, "nodes": here.nodes, "step_s": step, "exposed_s": step - workload.compute_s}
+        )
+    for row in scaling:
+        row["efficiency"] = scaling[0]["step_s"] / row["step_s"]
+    curve = [r for r in curve if r["layout"] in _curve_labels(caps_mb)]
+    return {"scaling": scaling, "bucket_curve": curve}
+
+
+# --8<-- [end:sweep]
+
+
+def _curve_labels(caps_mb: list[float]) -> list[str]:
+    return [PER_PARAMETER, *(f"{c:g}" for c in caps_mb), ONE_BUCKET]
+
+
+def topology_from_args(args: argparse.Namespace):
+    """The preset's cluster with every flag given replacing its value."""
+    from dataclasses import replace
+
+    from profiling.simulate import presets
+    from profiling.simulate.topology import GBIT
+
+    topo = presets.NETWORKS[args.network].topology
+    changes = {
+        "gpus_per_node": args.gpus_per_node,
+        "intra_bytes_per_s": args.intra_gbps and args.intra_gbps * GBIT,
+        "inter_bytes_per_s": args.inter_gbps and args.inter_gbps * GBIT,
+        "intra_latency_s": None if args.intra_latency_us is None else args.intra_latency_us * 1e-6,
+        "inter_latency_s": None if args.inter_latency_us is None else args.inter_latency_us * 1e-6,
+        "call_latency_s": None if args.call_latency_us is None else args.call_latency_us * 1e-6,
+    }
+    return replace(topo, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _numbers(text: str, name: str, kind=float) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name}: expected comma-separated numbers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> None:
+    from profiling import report
+    from profiling.simulate import presets
+
+    network = presets.NETWORKS[args.network]
+    topo = topology_from_args(args)
+    gpus = _numbers(args.gpus, "gpus", int)
+    if args.nodes:
+        gpus = [p for p in gpus if p <= args.nodes * topo.gpus_per_node]
+    caps = _numbers(args.bucket_caps, "bucket-caps")
+    try:
+        for p in gpus:
+            topo.with_gpus(p)
+        workload = presets.workload(args.model, network.gpu)
+    except ValueError as error:
+        raise SystemExit(f"scale: {error}") from None
+    overlap = not args.after_backward
+    result = sweep(
+        workload,
+        topo,
+        args.algorithm,
+        gpus,
+        args.bucket_cap_mb,
+        caps,
+        overlap=overlap,
+        slowdown=args.slowdown,
+    )
+    custom = topo != network.topology
+    result["settings"] = {
+        "command": report.command_line("profiling.simulate"),
+        "model": args.model,
+        "network": args.network + (" (modified)" if custom else ""),
+        "network_source": network.source,
+        "compute_source": presets.COMPUTE[args.model, network.gpu].source,
+        "batch_per_gpu": presets.COMPUTE[args.model, network.gpu].batch,
+        "algorithm": args.algorithm,
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "overlap": overlap,
+        "slowdown": args.slowdown,
+        "topology": _topology_dict(topo),
+        "workload": _workload_dict(workload),
+    }
+    print(summary(result))
+    if args.no_files:
+        return
+    stem = f"scale-{args.model}-{args.network}" + ("-custom" if custom else "")
+    json_path = args.json or f"docs/results/{stem}.json"
+    md_path = args.markdown or json_path.removesuffix(".json") + ".md"
+    plot_path = args.plot or f"docs/images/{stem}.png"
+    report.write_json(json_path, result)
+    with open(md_path, "w") as f:
+        f.write(markdown(result))
+    plot(result, plot_path)
+    print(f"wrote {json_path}, {md_path}, {plot_path}")
+
+
+def _topology_dict(topo) -> dict:
+    from dataclasses import asdict
+
+    return asdict(topo)
+
+
+def _workload_dict(w: Workload) -> dict:
+    return {
+        "gradients": len(w.grads),
+        "gradient_bytes": sum(g.nbytes for g in w.grads),
+        "forward_s": w.forward_s,
+        "backward_s": w.backward_s,
+        "optimizer_s": w.optimizer_s,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# What a sweep says: printed, as Markdown, as a figure.
+
+
+def summary(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"{s['model']} on {s['network']}, {s['algorithm']}, "
+        f"{'overlapped' if s['overlap'] else 'after backward'}, "
+        f"bucket_cap_mb {s['bucket_cap_mb']:g}, batch {s['batch_per_gpu']} per GPU",
+        f"{'GPUs':>6} {'nodes':>6} {'step ms':>9} {'exposed ms':>11} {'E(p)':>7}",
+    ]
+    for r in result["scaling"]:
+        lines.append(
+            f"{r['gpus']:>6} {r['nodes']:>6} {r['step_s'] * 1e3:>9.1f} "
+            f"{r['exposed_s'] * 1e3:>11.1f} {r['efficiency']:>7.3f}"
+        )
+    for p, best, step in best_caps(result):
+        lines.append(f"{p:>6} GPUs: fastest layout {best} ({step * 1e3:.1f} ms)")
+    return "\n".join(lines)
+
+
+def best_caps(result: dict) -> list[tuple[int, str, float]]:
+    """(GPUs, the fastest layout's label, its step time) at each GPU count."""
+    out = []
+    for p in dict.fromkeys(r["gpus"] for r in result["bucket_curve"]):
+        mine = [r for r in result["bucket_curve"] if r["gpus"] == p]
+        best = min(mine, key=lambda r: r["step_s"])
+        out.append((p, _layout_label(best["layout"]), best["step_s"]))
+    return out
+
+
+def _layout_label(layout: str) -> str:
+    return layout if layout in (PER_PARAMETER, ONE_BUCKET) else f"{layout} MiB"
+
+
+def markdown(result: dict) -> str:
+    from profiling.report import markdown_table, produced_by
+
+    s, t, w = result["settings"], result["settings"]["topology"], result["settings"]["workload"]
+    out = [produced_by([s["command"]]), ""]
+    out.append(
+        f"{s['model']}: {w['gradients']} gradients, {w['gradient_bytes'] / 2**20:.1f} MiB; "
+        f"forward {w['forward_s'] * 1e3:.1f} ms, backward {w['backward_s'] * 1e3:.1f} ms, "
+        f"optimizer {w['optimizer_s'] * 1e3:.1f} ms on one GPU, batch {s['batch_per_gpu']} "
+        f"({s['compute_source']}). Cluster {s['network']}: {t['gpus_per_node']} GPUs per "
+        f"server, {t['intra_bytes_per_s'] / 1e9:g} GB/s inside, "
+        f"{t['inter_bytes_per_s'] * 8 / 1e9:g} Gbit/s per server, latency "
+        f"{t['intra_latency_s'] * 1e6:g} / {t['inter_latency_s'] * 1e6:g} us per step inside / "
+        f"across, {t['call_latency_s'] * 1e6:g} us per call ({s['network_source']}). "
+        f"All-reduce: {s['algorithm']}; buckets "
+        f"{'launched during backward' if s['overlap'] else 'all-reduced after backward'}; "
+        f"slowdown {s['slowdown']:g}."
+    )
+    out += ["", f"**Scaling efficiency, bucket_cap_mb {s['bucket_cap_mb']:g}**", ""]
+    body = [
+        [
+            str(r["gpus"]),
+            str(r["nodes"]),
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['exposed_s'] * 1e3:.1f}",
+            f"{r['efficiency']:.3f}",
+        ]
+        for r in result["scaling"]
+    ]
+    out.append(markdown_table(["GPUs", "servers", "step ms", "exposed comm ms", "E(p)"], body))
+    out += [
+        "",
+        "**Step time (ms) against the bucket layout; the fastest at each GPU count in bold**",
+        "",
+    ]
+    gpus = list(dict.fromkeys(r["gpus"] for r in result["bucket_curve"]))
+    labels = list(dict.fromkeys(r["layout"] for r in result["bucket_curve"]))
+    step = {(r["gpus"], r["layout"]): r for r in result["bucket_curve"]}
+    best = {p: min(step[p, lab]["step_s"] for lab in labels) for p in gpus}
+    body = []
+    for lab in labels:
+        cells = []
+        for p in gpus:
+            v = step[p, lab]["step_s"]
+            cells.append(f"**{v * 1e3:.1f}**" if v == best[p] else f"{v * 1e3:.1f}")
+        body.append([_layout_label(lab), str(step[gpus[0], lab]["buckets"]), *cells])
+    out.append(markdown_table(["bucket_cap_mb", "buckets", *[f"{p} GPUs" for p in gpus]], body))
+    return "\n".join(out) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """Left: E(p) against GPUs. Right: step time against the bucket layout, one line per
+    GPU count, one bucket per parameter at the left end and a single bucket at the right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from profiling import report
+
+    font = report.FIGURE_FONT_PT
+    plt.rcParams.update({"font.size": font})
+    s = result["settings"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(report.FIGURE_WIDTH_IN, 3.6))
+    gpus = [r["gpus"] for r in result["scaling"]]
+    left.plot(gpus, [r["efficiency"] for r in result["scaling"]], marker="o")
+    left.set_xscale("log", base=2)
+    left.set_xticks(gpus, [str(p) for p in gpus])
+    left.set_ylim(min(0.5, min(r["efficiency"] for r in result["scaling"]) - 0.05), 1.02)
+    left.set_xlabel("GPUs")
+    left.set_ylabel(f"E(p) = T({gpus[0]}) / T(p)")
+    left.set_title(f"scaling, bucket_cap_mb {s['bucket_cap_mb']:g}")
+    left.grid(alpha=0.3)
+    labels = list(dict.fromkeys(r["layout"] for r in result["bucket_curve"]))
+    caps = [float(lab) for lab in labels if lab not in (PER_PARAMETER, ONE_BUCKET)]
+    # Positions on a log axis: the two extremes one decade beyond the smallest and
+    # largest caps, labelled by name.
+    x = {lab: float(lab) for lab in labels if lab not in (PER_PARAMETER, ONE_BUCKET)}
+    x[PER_PARAMETER], x[ONE_BUCKET] = min(caps) / 4, max(caps) * 4
+    colors = plt.cm.viridis([i / max(1, len(gpus) - 1) for i in range(len(gpus))])
+    for p, color in zip(gpus, colors, strict=True):
+        mine = {r["layout"]: r["step_s"] * 1e3 for r in result["bucket_curve"] if r["gpus"] == p}
+        right.plot(
+            [x[lab] for lab in labels],
+            [mine[lab] for lab in labels],
+            marker="o",
+            ms=3,
+            color=color,
+            label=f"{p}",
+        )
+    right.set_xscale("log")
+    right.set_xticks(*cap_ticks(caps, x[PER_PARAMETER], x[ONE_BUCKET]))
+    right.minorticks_off()
+    right.set_xlabel("bucket_cap_mb (MiB)")
+    right.set_ylabel("step time, ms")
+    right.set_title(f"{s['model']}, {s['network']}, {s['algorithm']}", fontsize=font)
+    right.legend(title="GPUs", ncols=2)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    report.save_figure(fig, path)
+    plt.close(fig)
+
+
+def cap_ticks(caps: list[float], per_parameter_x: float, one_bucket_x: float):
+    """Tick positions and labels for a bucket-size axis: every cap gets a tick, but only
+    caps at least 3x the last labelled one a label (10 pt labels collide otherwise)."""
+    labels, last = [], 0.0
+    for cap in caps:
+        labels.append(f"{cap:g}" if cap >= 3 * last else "")
+        last = cap if labels[-1] else last
+    return [per_parameter_x, *caps, one_bucket_x], ["per\nparam", *labels, "one"]
+
+
+def bucket_curve_is_u(result: dict, gpus: int) -> bool:
+    """Whether the fastest layout at `gpus` lies strictly inside the curve: slower with
+    more, smaller buckets (per parameter) and with fewer, larger ones (one bucket)."""
+    mine = [r for r in result["bucket_curve"] if r["gpus"] == gpus]
+    steps = [r["step_s"] for r in mine]
+    best = min(range(len(steps)), key=steps.__getitem__)
+    return 0 < best < len(steps) - 1 and steps[best] < min(steps[0], steps[-1]) - 1e-12

@@ -1,0 +1,76 @@
+"""The presets' models against published parameter counts and torch's own layers, and
+their workloads against the published iteration times they come from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from profiling.simulate import presets
+
+MiB = 2**20
+
+
+def test_resnet50_matches_torchvisions_documented_size():
+    # torchvision's model table, ResNet50_Weights.IMAGENET1K_V1: 25,557,032 parameters
+    # and 4.09 "GFLOPS" (multiply-adds) at 224 x 224.
+    assert sum(p.numel() for p in presets.resnet50().parameters()) == 25_557_032
+    layers = presets.resnet50_layers()
+    assert presets.parameter_count(layers) == 25_557_032
+    multiply_adds = sum(layer.flops for layer in layers) / 2
+    assert multiply_adds == pytest.approx(4.09e9, rel=0.005)
+
+
+def test_bert_large_counted_with_torchs_transformer_layer():
+    cfg = presets.BertConfig()
+    # One encoder layer of BERT is what torch's TransformerEncoderLayer holds: Q, K, V and
+    # output projections, the feed-forward pair, two LayerNorms.
+    layer = sum(p.numel() for p in nn.TransformerEncoderLayer(1024, 16, 4096).parameters())
+    embeddings = (30522 + 512 + 2) * 1024 + 2 * 1024  # three tables and a LayerNorm
+    pooler = 1024 * 1024 + 1024
+    bert_model = embeddings + 24 * layer + pooler
+    assert 334e6 <= bert_model <= 340e6  # the commonly quoted "BERT-large, 335M / 340M"
+    # Pre-training heads: the masked-LM transform (dense + LayerNorm) and decoder bias
+    # (its weight is the word embedding's), the next-sentence classifier.
+    heads = (1024 * 1024 + 1024) + 2 * 1024 + 30522 + (1024 * 2 + 2)
+    assert presets.parameter_count(presets.bert_large_layers(cfg)) == bert_model + heads
+
+
+@pytest.mark.parametrize("model,gpu", list(presets.COMPUTE))
+def test_workload_adds_up_to_the_published_iteration(model, gpu):
+    w = presets.workload(model, gpu)
+    compute = presets.COMPUTE[model, gpu]
+    published = {
+        ("resnet50", "V100"): 112 / 367,
+        ("bert_large", "V100"): 8 / 33.36,
+        ("resnet50", "P100"): 0.9 * 3600 / (90 * 1_281_167 / 8192),
+    }
+    assert w.compute_s == pytest.approx(published[model, gpu])
+    assert w.backward_s == pytest.approx(2 * w.forward_s)
+    count = presets.parameter_count(presets.MODELS[model]())
+    assert sum(g.nbytes for g in w.grads) == 4 * count
+    # Backward ends with the first layer: its gradient is ready last, at backward's end.
+    assert max(g.ready_s for g in w.grads) == pytest.approx(w.backward_s)
+    assert w.grads[0].ready_s == pytest.approx(w.backward_s)
+    assert compute.batch in (8, 32, 112)
+
+
+def test_resnet_gradients_ready_last_layer_first():
+    w = {g.name: g for g in presets.workload("resnet50", "V100").grads}
+    assert w["fc.bias"].ready_s < w["layer4.2.conv3.weight"].ready_s
+    assert w["layer4.2.conv3.weight"].ready_s < w["layer1.0.conv1.weight"].ready_s
+    # A BatchNorm after a convolution is ready no later than that convolution.
+    assert w["layer2.1.bn2.weight"].ready_s <= w["layer2.1.conv2.weight"].ready_s
+    assert w["fc.weight"].nbytes == 2048 * 1000 * 4
+
+
+def test_unknown_presets_are_named():
+    with pytest.raises(ValueError, match="no published iteration time for bert_large on P100"):
+        presets.workload("bert_large", "P100")
+    with pytest.raises(ValueError, match="no model preset 'gpt'"):
+        presets.workload("gpt", "V100")
+
+
+def test_meta_model_holds_no_memory():
+    assert all(p.device == torch.device("meta") for p in presets.resnet50().parameters())
