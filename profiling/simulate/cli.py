@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# subcommand -> module with add_arguments(parser) and run(args); imported when chosen,
-# so `scale` does not pay for what `validate` imports.
+# subcommand -> module with add_arguments(parser) and run(args). Building the parser
+# imports all of them, so each keeps its module-level imports light (torch, the virtual
+# cluster and matplotlib are imported inside run).
 COMMANDS = {
     "validate": "profiling.simulate.validate",
     "scale": "profiling.simulate.scale",
