@@ -67,8 +67,8 @@ class Position:
 
 
 class RunCheckpoints:
-    """The checkpoints of one run (k, rule, seed) on `world` ranks: of its model,
-    optimizer, scheduler and results (`run`)."""
+    """The checkpoints of one run (k, rule, seed) over `group`'s ranks (or one process):
+    of its model, optimizer, scheduler and results (`run`)."""
 
     def __init__(
         self,
@@ -105,8 +105,9 @@ class RunCheckpoints:
             return Position()
         for name in RESULTS:
             setattr(self.run, name, state["loop"][name])
-        position = Position(state["data"]["epoch"], state["data"]["iteration"])
-        position.totals = state["loop"]["totals"]
+        position = Position(
+            state["data"]["epoch"], state["data"]["iteration"], state["loop"]["totals"]
+        )
         if self.rank == 0 and self.finished(position):
             print(f"{self.dir.name}: finished before; its results are read from {self.dir}, "
                   "not trained again", file=sys.stderr, flush=True)  # fmt: skip
