@@ -18,10 +18,15 @@ a folder without COMMITTED, which loading skips; the previous checkpoint is dele
 after the new one is committed.
 
 What a rank's file holds is everything its next step depends on: the model's state
-(parameters and buffers), the optimizer's (momentum), the step, the torch generator's
-state (CUDA's too, where there is one) and the data position. The data path has no
-generator of its own to save: `ddp.data.synthetic_batch` seeds a fresh one from
-(--seed, micro-batch index), so the position is the next step and nothing more."""
+(parameters and buffers), the optimizer's (momentum), the learning-rate scheduler's where
+the loop has one, the step, the torch generator's state (CUDA's too, where there is one),
+the data position, and whatever else the loop carries from step to step (`loop`: the
+large-batch experiment's results so far). The stages' data path has no generator of its
+own to save: `ddp.data.synthetic_batch` seeds a fresh one from (--seed, micro-batch
+index), so the position is the next step and nothing more.
+
+Without a process group (one process training alone, as the large-batch experiment does
+by default) the same files are written, one rank's worth, with no collective."""
 
 from __future__ import annotations
 
@@ -31,13 +36,14 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from ddp.config import Config
 
@@ -65,6 +71,10 @@ class RunSettings:
     world_size: int
 
 
+# What else a loop may pass: the large-batch experiment's run, as a dict of plain values.
+Settings = RunSettings | Mapping[str, object]
+
+
 def run_settings(cfg: Config, global_batch: int, world_size: int) -> RunSettings:
     return RunSettings(
         model=cfg.model,
@@ -84,33 +94,42 @@ def save(
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    settings: RunSettings,
+    settings: Settings,
     midway: Callable[[], None] = lambda: None,
+    *,
+    scheduler: LRScheduler | None = None,
+    position: Mapping[str, object] | None = None,
+    loop: Mapping[str, object] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Checkpoint the state after `step` optimizer steps; collective, every rank calls it.
-    Returns the committed folder. `midway` runs once this rank's file is half written (the
-    fault injection's hook)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Checkpoint the state after `step` optimizer steps; collective over `group` (the
+    default one) when a process group is initialised: every rank calls it. `position` is the
+    data position beyond the step (an epoch and the iteration in it), `loop` what else the
+    loop must go on with; both hold tensors, numbers, strings, lists and dicts only, which
+    load with weights_only=True. Returns the committed folder. `midway` runs once this
+    rank's file is half written (the fault injection's hook)."""
+    rank, world = rank_and_world(group)
     step_dir = run_dir / f"{STEP_PREFIX}{step:08d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_states(),
-        "data": {"next_step": step},
+        "data": {"next_step": step, **(position or {})},
+        "loop": dict(loop or {}),
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     name = f"rank-{rank:05d}.pt"
     write_durably(step_dir / name, data, midway)
-    files: list[dict | None] = [None] * world
     entry = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    dist.all_gather_object(files, entry)
+    files = all_gather(entry, group)
     if rank == 0:
         fsync_dir(step_dir)  # the rank files' names, before the marker that vouches for them
-        manifest = {"step": step, "settings": asdict(settings), "files": files}
+        manifest = {"step": step, "settings": settings_dict(settings), "files": files}
         write_durably(step_dir / (COMMITTED + ".tmp"), json.dumps(manifest, indent=1).encode())
         os.replace(step_dir / (COMMITTED + ".tmp"), step_dir / COMMITTED)
         fsync_dir(step_dir)
@@ -118,11 +137,34 @@ def save(
             if old != step_dir:
                 shutil.rmtree(old, ignore_errors=True)
     # No rank trains on (and can be killed believing it saved) before the marker exists.
-    dist.barrier()
+    if world > 1:
+        dist.barrier(group=group)
     return step_dir
 
 
 # --8<-- [end:save]
+
+
+def settings_dict(settings: Settings) -> dict:
+    """`settings` as the manifest holds it: a JSON object (tuples read back as lists)."""
+    plain = asdict(settings) if is_dataclass(settings) else dict(settings)
+    return json.loads(json.dumps(plain))
+
+
+def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in `group` and the group's size; (0, 1) with no process group."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather(obj: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's `obj`, in rank order; [obj] with no process group."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def write_durably(path: Path, data: bytes, midway: Callable[[], None] = lambda: None) -> None:
@@ -154,41 +196,59 @@ def rng_states() -> dict[str, torch.Tensor | list[torch.Tensor]]:
 
 
 # --8<-- [start:load]
-def resume(
+def restore(
     run_dir: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    settings: RunSettings,
-) -> int:
-    """Load the newest committed checkpoint under `run_dir` into `model`, `optimizer` and
-    the generators, and return the step to go on from (0 when there is none). Collective:
-    rank 0 picks the checkpoint, every rank checks and loads its own file, and if any
-    rank's check fails every rank raises the same CheckpointError."""
-    rank = dist.get_rank()
+    settings: Settings,
+    *,
+    scheduler: LRScheduler | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict | None:
+    """Load the newest committed checkpoint under `run_dir` into `model`, `optimizer`,
+    `scheduler` and the generators, and return its state (`step`, `data`: the position,
+    with `next_step`; `loop`), or None when there is none. Collective over `group` when a
+    process group is initialised: rank 0 picks the checkpoint, every rank checks and loads
+    its own file, and if any rank's check fails every rank raises the same CheckpointError."""
+    rank, world = rank_and_world(group)
     chosen = [newest_committed(run_dir) if rank == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
+    if world > 1:
+        dist.broadcast_object_list(chosen, group=group, group_src=0)
     step_dir = chosen[0]
     if step_dir is None:
-        return 0
+        return None
     try:
-        state, error = read_rank_file(step_dir, rank, settings), None
+        state, error = read_rank_file(step_dir, rank, settings, scheduler is not None), None
     except CheckpointError as e:
         state, error = None, str(e)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors = all_gather(error, group)
     if any(errors):
         raise CheckpointError(next(e for e in errors if e))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if rank == 0:
         print(f"resuming from {step_dir} (step {state['step']})", file=sys.stderr, flush=True)
-    return state["data"]["next_step"]
+    return state
 
 
 # --8<-- [end:load]
+
+
+def resume(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: Settings,
+) -> int:
+    """`restore` for a loop whose position is its step: the step to go on from (0 when
+    there is no checkpoint). Collective over the default group."""
+    state = restore(run_dir, model, optimizer, settings)
+    return state["data"]["next_step"] if state is not None else 0
 
 
 def newest_committed(run_dir: Path) -> Path | None:
@@ -202,18 +262,23 @@ def newest_committed(run_dir: Path) -> Path | None:
     return None
 
 
-def read_rank_file(step_dir: Path, rank: int, settings: RunSettings) -> dict:
+def read_rank_file(
+    step_dir: Path, rank: int, settings: Settings, with_scheduler: bool = False
+) -> dict:
     """This rank's state from a committed checkpoint, refused unless its manifest matches
-    this run and the file is whole (size and sha256 as committed)."""
+    this run and the file is whole (size and sha256 as committed). `with_scheduler`: the
+    loop has a learning-rate scheduler, whose state the checkpoint must hold."""
     marker = step_dir / COMMITTED
     try:
         manifest = json.loads(marker.read_text())
         ours = manifest["files"][rank]
-        written = RunSettings(**manifest["settings"])
+        written = dict(manifest["settings"])
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise CheckpointError(f"{marker} is unreadable ({e}); delete {step_dir} to go on") from e
-    if written != settings:
-        differ = {k: (v, getattr(settings, k)) for k, v in asdict(written).items()}
+    here = settings_dict(settings)
+    if written != here:
+        absent = "(absent)"
+        differ = {k: (written.get(k, absent), here.get(k, absent)) for k in {**written, **here}}
         differ = {k: v for k, v in differ.items() if v[0] != v[1]}
         raise CheckpointError(
             f"{marker} was written by another run: "
@@ -231,9 +296,15 @@ def read_rank_file(step_dir: Path, rank: int, settings: RunSettings) -> dict:
             f"{ours['bytes']} committed in {marker}; delete {step_dir} to resume from scratch"
         )
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        state = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # unpickling refused (weights_only) or malformed
         raise CheckpointError(f"{path} does not load with weights_only=True: {e}") from e
+    if with_scheduler and state.get("scheduler") is None:
+        raise CheckpointError(
+            f"{path} holds no learning-rate scheduler state, which this run needs; "
+            f"pick another --checkpoint-dir or delete {step_dir}"
+        )
+    return state
 
 
 def params_sha256(model: nn.Module) -> str:

@@ -1,10 +1,14 @@
 """The shaped cluster (profiling.cluster): stages train across namespaces over a link
-limited to 1 Gbit/s, Gloo's all-reduce runs at that rate, and nothing is left behind."""
+limited to 1 Gbit/s, Gloo's all-reduce runs at that rate, a node whose link is dropped is
+named within --timeout, and nothing is left behind."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +99,75 @@ def test_an_exception_inside_still_removes_everything() -> None:
             state_file = c.state.path
             assert set(names) <= set(netns_list())
             raise RuntimeError("boom")
+    assert not set(names) & set(netns_list())
+    assert not state_file.exists()
+
+
+def worker_pids(cluster: VirtualCluster, node: int, module: str) -> list[int]:
+    """The node's training processes: those running `module`, not torchrun itself."""
+    pids = []
+    for pid in cluster.node_pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if module in argv and "torch.distributed.run" not in argv:
+            pids.append(pid)
+    return pids
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its exit status is left
+
+
+@needs_cluster
+def test_a_node_whose_link_drops_is_named_within_the_timeout() -> None:
+    """Node 1's link goes down mid-run. Node 0 holds the rendezvous store (torchrun's
+    agent there), so rank 1's heartbeat stops and rank 0 must fail within --timeout
+    plus 10%, naming rank 1; then every process ends and every namespace goes."""
+    from ddp.models import build_model
+
+    timeout_s, module = 5.0, "stages.drop_in"
+    grad_bytes = sum(p.numel() * 4 for p in build_model("mlp", width=256, depth=3).parameters())
+    with VirtualCluster(ranks=2, rate="1gbit") as cluster:
+        names, state_file = cluster.state.all_namespaces, cluster.state.path
+        finished: dict = {}
+
+        def run() -> None:
+            finished["out"] = cluster.run(
+                ["-m", module, "--model", "mlp", "--steps", "1000000",
+                 "--timeout", str(timeout_s)],
+                timeout=120, capture=True, grace=1,
+            )  # fmt: skip
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        try:
+            # Training: both nodes have sent a few steps' gradients over their links.
+            while min(cluster.link_bytes()) < 5 * grad_bytes and runner.is_alive():
+                time.sleep(0.1)
+            assert runner.is_alive(), finished["out"].tail()
+            (rank0,) = worker_pids(cluster, 0, module)
+            dropped_at = time.monotonic()
+            cluster.set_link(1, up=False)
+            while running(rank0) and time.monotonic() - dropped_at < 3 * timeout_s:
+                time.sleep(0.02)
+            failed_after_s = time.monotonic() - dropped_at
+        finally:
+            runner.join(timeout=60)
+        assert not runner.is_alive(), "the run did not end after rank 0 failed"
+        out = finished["out"]
+        print(f"rank 0 failed {failed_after_s:.2f} s after node 1's link dropped; "
+              f"the run ended {out.seconds:.1f} s after it started")  # fmt: skip
+        assert out.returncode not in (0, 124), out.tail()  # failed, and not by the timeout
+        assert f"rank 0: rank 1 has not answered for {timeout_s:g} s" in out.stderr[0], out.tail()
+        # Named by the watchdog after the timeout, not by an error before it.
+        assert 0.9 * timeout_s <= failed_after_s <= 1.1 * timeout_s, out.tail()
+        assert [cluster.node_pids(k) for k in range(2)] == [[], []]  # rank 1 too is gone
     assert not set(names) & set(netns_list())
     assert not state_file.exists()
 

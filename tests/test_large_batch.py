@@ -4,6 +4,7 @@ against one process on the k*n batch, written here independently of the code und
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,11 +15,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
-from profiling.large_batch.experiment import BatchNormMLP, train_run
+from profiling.large_batch.experiment import BatchNormMLP, build, train_run
 from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
 from profiling.large_batch.param_groups import no_decay_param_groups
 from profiling.large_batch.settings import Settings
-from tests.pool import RankError
+from tests.pool import RankError, check_no_errors
 
 # ---------------------------------------------------------------- learning-rate rules
 
@@ -314,3 +315,121 @@ def test_render_needs_a_plot_prefix():
 
     with pytest.raises(SystemExit, match="--plot-prefix"):
         cli.main(["--render", "docs/results/large-batch.json"])
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class Interrupted(Exception):
+    """What the tests raise to stop a run at a chosen step, as a killed process would."""
+
+
+def count_steps(steps: dict, interrupt: tuple[int, str, int, int] | None = None):
+    """A replacement for experiment.build whose optimizers count their steps in `steps`,
+    by (k, rule, seed), and raise Interrupted before step `interrupt[3]` of run
+    `interrupt[:3]` (counted from that run's start in this process)."""
+
+    def counting_build(s, data, workers, variant, seed):
+        built = build(s, data, workers, variant, seed)
+        key = (workers, variant, seed)
+        steps[key] = 0
+
+        def hook(*_):
+            if interrupt == (*key, steps[key]):
+                raise Interrupted(f"before step {steps[key]} of {key}")
+            steps[key] += 1
+
+        built[1].register_step_pre_hook(hook)  # built: model, optimizer, scheduler, ...
+        return built
+
+    return counting_build
+
+
+def results(run) -> tuple:
+    """What a run must end with, bit for bit: its parameters and every epoch's figures."""
+    return run.params_sha256, run.train_loss, run.train_error, run.val_error, run.diverged
+
+
+# Two runs (k = 2: 8 steps an epoch; k = 4: 4), 2 epochs, warmup over the first, a step
+# decay half-way through the second. With a checkpoint every 3 steps, k = 4 saves at 3
+# (in the warmup, mid-epoch), 6 (mid-epoch) and 8 (the end).
+RESUMABLE = dict(
+    workers="2,4", variants="gradual", decay_epochs="1.5", train_samples=64, val_samples=16
+)
+
+
+@pytest.fixture
+def one_thread():
+    """As the command line runs: tiny ops gain nothing from threads, and on a loaded
+    machine waiting for them costs more than the op (tens of ms per BatchNorm)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_interrupted_experiment_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, one_thread):
+    from profiling.large_batch import experiment
+
+    reference = experiment.run_all(tiny(**RESUMABLE))  # never interrupted, no checkpoints
+    s = tiny(**RESUMABLE, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    steps: dict = {}
+    # k = 2 finishes; k = 4 stops after 5 steps, 2 past its checkpoint at step 3.
+    monkeypatch.setattr(experiment, "build", count_steps(steps, (4, "gradual", 0, 5)))
+    with pytest.raises(Interrupted):
+        experiment.run_all(s)
+    assert steps == {(2, "gradual", 0): 16, (4, "gradual", 0): 5}
+    capsys.readouterr()
+    steps.clear()
+    monkeypatch.setattr(experiment, "build", count_steps(steps))
+    resumed = experiment.run_all(s)
+    err = capsys.readouterr().err
+    # The finished run is read back, not trained; the other goes on from step 3.
+    assert steps == {(2, "gradual", 0): 0, (4, "gradual", 0): 8 - 3}
+    assert "k2-gradual-seed0: finished before" in err
+    assert f"resuming from {tmp_path / 'k4-gradual-seed0' / 'step-00000003'} (step 3)" in err
+    assert [results(r) for r in resumed] == [results(r) for r in reference]
+
+
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path, one_thread):
+    from ddp.checkpoint import CheckpointError
+    from profiling.large_batch import experiment
+
+    s = tiny(**{**RESUMABLE, "workers": "4"}, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    experiment.run_all(s)
+    with pytest.raises(CheckpointError, match="base_lr 0.05 there, 0.1 here"):
+        experiment.run_all(dataclasses.replace(s, base_lr=0.1))
+
+
+def interrupted_run(rank, group, s, data, interrupt_at):
+    """train_run on this rank, interrupted on every rank before step `interrupt_at`
+    (the optimizer's pre-hook runs after the step's all-reduce: no rank is left in one)."""
+    from profiling.large_batch import experiment
+
+    steps: dict = {}
+    experiment.build = count_steps(
+        steps, None if interrupt_at is None else (4, "gradual", 0, interrupt_at)
+    )
+    try:
+        run = train_run(s, data, 4, "gradual", 0, process_group=group)
+    except Interrupted:
+        run = None
+    finally:
+        experiment.build = build
+    return run, steps
+
+
+def test_interrupted_run_on_two_ranks_resumes_bit_for_bit(pool, data, tmp_path):
+    plain = tiny(decay_epochs="1.5")
+    reference = check_no_errors(pool.run(2, interrupted_run, plain, data, None))
+    s = dataclasses.replace(plain, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    stopped = check_no_errors(pool.run(2, interrupted_run, s, data, 5))
+    assert all(run is None for run, _ in stopped)
+    resumed = check_no_errors(pool.run(2, interrupted_run, s, data, None))
+    assert [steps for _, steps in resumed] == [{(4, "gradual", 0): 8 - 3}] * 2
+    assert sorted((tmp_path / "k4-gradual-seed0" / "step-00000008").iterdir()) == [
+        tmp_path / "k4-gradual-seed0" / "step-00000008" / name
+        for name in ("COMMITTED", "rank-00000.pt", "rank-00001.pt")
+    ]
+    for (run, _), (want, _) in zip(resumed, reference, strict=True):
+        assert results(run) == results(want)

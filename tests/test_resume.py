@@ -88,6 +88,62 @@ def test_resume_restores_model_optimizer_and_generator(group, tmp_path: Path) ->
     assert all(torch.equal(a, b) for a, b in zip(momentum, loaded, strict=True))
 
 
+def warmup_then_decay(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over 3 steps, then step decay at 5 (a Counter in its state)."""
+    lr = torch.optim.lr_scheduler
+    warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    return lr.SequentialLR(optimizer, [warmup, lr.MultiStepLR(optimizer, [2])], milestones=[3])
+
+
+def test_restore_without_a_process_group_brings_back_scheduler_and_position(tmp_path) -> None:
+    assert not dist.is_initialized()  # one process training alone: no collective at all
+    model, optimizer, settings = small_run()
+    scheduler = warmup_then_decay(optimizer)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    totals = torch.tensor([1.5, 2.0, 8.0], dtype=torch.float64)
+    checkpoint.save(
+        tmp_path, 2, model, optimizer, settings, scheduler=scheduler,
+        position={"epoch": 1, "iteration": 0}, loop={"totals": totals, "val_error": [0.5]},
+    )  # fmt: skip
+    # What the original gives from here on: the learning rates, and the generator's draw.
+    expected_lrs = []
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+        expected_lrs.append(optimizer.param_groups[0]["lr"])
+    expected_draw = torch.rand(3)
+    fresh, fresh_optimizer, _ = small_run()
+    fresh_scheduler = warmup_then_decay(fresh_optimizer)
+    torch.manual_seed(123)
+    state = checkpoint.restore(
+        tmp_path, fresh, fresh_optimizer, settings, scheduler=fresh_scheduler
+    )
+    assert state["step"] == 2
+    assert state["data"] == {"next_step": 2, "epoch": 1, "iteration": 0}
+    assert torch.equal(state["loop"]["totals"], totals) and state["loop"]["val_error"] == [0.5]
+    assert torch.equal(torch.rand(3), expected_draw)
+    lrs = []
+    for _ in range(5):
+        fresh_optimizer.step()
+        fresh_scheduler.step()
+        lrs.append(fresh_optimizer.param_groups[0]["lr"])
+    assert lrs == expected_lrs
+    assert sorted(p.name for p in (tmp_path / "step-00000002").iterdir()) == [
+        "COMMITTED", "rank-00000.pt"
+    ]  # fmt: skip
+
+
+def test_a_checkpoint_without_scheduler_is_refused_where_one_is_needed(group, tmp_path) -> None:
+    model, optimizer, settings = small_run()
+    checkpoint.save(tmp_path, 7, model, optimizer, settings)
+    with pytest.raises(checkpoint.CheckpointError, match="no learning-rate scheduler state"):
+        checkpoint.restore(
+            tmp_path, model, optimizer, settings, scheduler=warmup_then_decay(optimizer)
+        )
+
+
 def test_corrupt_file_is_refused_naming_it(group, tmp_path: Path) -> None:
     model, optimizer, settings = small_run()
     step_dir = checkpoint.save(tmp_path, 7, model, optimizer, settings)

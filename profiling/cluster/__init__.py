@@ -14,6 +14,9 @@ waits for all, and exits nonzero if any failed. From Python, and in tests:
     with VirtualCluster(ranks=2, rate="1gbit") as cluster:
         cluster.run(["-m", "stages.bucketed", "--steps", "3"])
 
+`cluster.set_link(k, up=False)` takes node k's link down while something runs (a pulled
+cable: tests/test_cluster.py checks that the rank cut off is named within --timeout).
+
 Topology. Nothing is created in the host's namespace and no host interface is touched:
 
     ddps-<id>-r0          ddps-<id>-br                ddps-<id>-r1

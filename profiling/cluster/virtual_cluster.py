@@ -178,6 +178,18 @@ class VirtualCluster:
             sent.append(int(re.search(r"Sent (\d+) bytes", text).group(1)))
         return sent
 
+    def set_link(self, node: int, up: bool) -> None:
+        """Take node `node`'s link down (or up again), from inside its namespace: as if its
+        cable were pulled. Its processes go on running, cut off from every other node,
+        the rendezvous store on node 0 included."""
+        s = self._require_up()
+        _sh(_tool("ip"), "-n", s.namespaces[node], "link", "set", s.ifname, "up" if up else "down")
+
+    def node_pids(self, node: int) -> list[int]:
+        """The processes running in node `node`'s namespace (its torchrun and workers)."""
+        s = self._require_up()
+        return [int(pid) for pid in _sh(_tool("ip"), "netns", "pids", s.namespaces[node]).split()]
+
     def _require_up(self) -> ClusterState:
         if self.state is None:
             raise RuntimeError("the cluster is not up: use `with VirtualCluster(...)` or up()")

@@ -29,8 +29,12 @@ skip_sync stage; BatchNorm buffers stay per rank, and rank 0 evaluates and write
 Same loss normalisation (sum / (k*n): the stage averages over W ranks of sum / (k/W * n)),
 same data split, same model: only where the micro-batches run differs.
 
+`--checkpoint-dir DIR` checkpoints every run in a folder of its own, and a command started
+again goes on where it stopped (docs/when-a-rank-dies.md).
+
 The package: `settings` (the options), `lr` (the learning-rate rules), `param_groups`
 (no weight decay on normalisation layers and biases), `data` (the data set and its
 split over workers), `experiment` (the model and one training run per k, rule and
-seed), `results` (the table and the figures) and `cli`.
+seed), `checkpoints` (each run's, through ddp/checkpoint.py), `results` (the table and
+the figures) and `cli`.
 """

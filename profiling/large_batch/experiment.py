@@ -14,7 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddp.checkpoint import params_sha256
+from ddp.faults import Fault
 from ddp.progress import Progress
+from profiling.large_batch.checkpoints import Position, RunCheckpoints, new_totals
 from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
 from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
 from profiling.large_batch.param_groups import no_decay_param_groups
@@ -54,6 +57,7 @@ class Run:
     val_error: list[float] = field(default_factory=list)  # per epoch, after it
     diverged: bool = False  # the loss went to inf/nan; the run stopped there
     params: list[torch.Tensor] | None = None  # final parameters, with keep_params only
+    params_sha256: str = ""  # of the final parameters (ddp.checkpoint.params_sha256)
 
     @property
     def final_val_error(self) -> float:
@@ -103,7 +107,9 @@ def train_run(
 ) -> Run:
     """Train one run. Under a process group (the default one, or `process_group`), this
     rank simulates k/W of the k workers. `keep_params` puts the final parameters in
-    the result (for the tests); `progress` hears of every epoch."""
+    the result (for the tests); `progress` hears of every epoch. With --checkpoint-dir,
+    checkpoints every --checkpoint-every steps and at the end, and goes on from the
+    newest checkpoint there (profiling/large_batch/checkpoints.py)."""
     distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
     rank, world = (
         (dist.get_rank(process_group), dist.get_world_size(process_group))
@@ -126,13 +132,28 @@ def train_run(
     x, y = data.train.tensors
     n = s.per_worker_batch
     run = Run(workers, variant, seed, workers * n, lr, iters)
-    for epoch in range(s.epochs):
+    # DDP_STAGES_FAULT (ddp/faults.py) under torchrun: a rank kills itself at a step.
+    fault = Fault.from_env() if distributed else None
+    if fault is not None:
+        fault.install(model, optimizer)
+    saved = None
+    if s.checkpoint_dir:
+        saved = RunCheckpoints(s, run, model, optimizer, scheduler, process_group, fault)
+    start = saved.restore() if saved else Position()
+    step = start.epoch * iters + start.iteration  # optimizer steps done
+    # A run restored after it diverged has nothing left to train.
+    epochs = range(start.epoch, s.epochs) if not run.diverged else range(0)
+    for epoch in epochs:
         epoch_started = time.perf_counter()
         model.train()
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wrong, samples
-        # --8<-- [start:step]
-        for minibatches in epoch_batches(samplers, epoch, n):  # one index tensor per worker
-            for j, idx in enumerate(minibatches):
+        totals = start.totals if epoch == start.epoch else new_totals()  # loss, wrong, samples
+        batches = epoch_batches(samplers, epoch, n)  # one index tensor per worker, per step
+        first = start.iteration if epoch == start.epoch else 0
+        for iteration in range(first, len(batches)):
+            if fault is not None:
+                fault.current_step = step
+            # --8<-- [start:step]
+            for j, idx in enumerate(batches[iteration]):  # worker j's n sample indices
                 skip = j < local - 1 and hasattr(wrapped, "no_sync")
                 with wrapped.no_sync() if skip else nullcontext():
                     logits = wrapped(x[idx])  # BatchNorm statistics over this worker's n
@@ -146,7 +167,10 @@ def train_run(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()  # once per iteration: warmup rises by a constant each step
-        # --8<-- [end:step]
+            # --8<-- [end:step]
+            step += 1
+            if saved and saved.due(step) and iteration + 1 < len(batches):  # mid-epoch
+                saved.save(step, Position(epoch, iteration + 1, totals))
         if distributed:
             dist.all_reduce(totals, group=process_group)
         run.train_loss.append(totals[0].item() / totals[2].item())
@@ -154,11 +178,15 @@ def train_run(
         run.val_error.append(evaluate(model, data))
         if progress is not None:
             progress.step(time.perf_counter() - epoch_started)
-        if not math.isfinite(run.train_loss[-1]):
-            run.diverged = True
+        run.diverged = not math.isfinite(run.train_loss[-1])
+        # At an epoch's end, after its results: a resumed run need not redo them.
+        if saved and (saved.due(step) or epoch + 1 == s.epochs or run.diverged):
+            saved.save(step, Position(epoch + 1))
+        if run.diverged:
             break
     if keep_params:
         run.params = [p.detach().clone() for p in model.parameters()]
+    run.params_sha256 = params_sha256(model)
     return run
 
 

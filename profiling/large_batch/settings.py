@@ -40,6 +40,15 @@ class Settings:
     val_samples: int = option(4_096, "validation samples")
     data_seed: int = option(0, "the data set itself")
     jobs: int = option(2, "trainings run side by side on one machine (not under torchrun)")
+    checkpoint_dir: str = option(
+        "",
+        "checkpoint each run under DIR/k<k>-<rule>-seed<s>; a run started again resumes from "
+        "its newest committed checkpoint there, and a finished run is not trained again",
+        metavar="DIR",
+    )
+    checkpoint_every: int = option(
+        50, "optimizer steps between a run's checkpoints; one at its end too"
+    )
     json: str = option("", "write all results (settings, runs, curves) here", metavar="PATH")
     markdown: str = option("", "write the results table here (a docs fragment)", metavar="PATH")
     plot_prefix: str = option(
@@ -52,7 +61,10 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("per_worker_batch", "seeds", "epochs", "jobs", "width", "reference_batch"):
+        for name in (
+            "per_worker_batch", "seeds", "epochs", "jobs", "width", "reference_batch",
+            "checkpoint_every",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
