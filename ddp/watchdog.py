@@ -9,8 +9,10 @@ exits, so torchrun stops the job (or restarts it, with --max-restarts).
 
 The store is torchrun's (the agent's on node 0, or rank 0's), not the peers' Gloo links:
 a rank whose links are dropped but whose node still reaches the store is seen only by
-Gloo's own timeout. `setup_process_group` gives the collectives a timeout 10% longer than
-`timeout_s`, so this watchdog, which names the rank, speaks first."""
+Gloo's own timeout. `setup_process_group` gives the collectives a timeout 10% longer
+than `timeout_s`, so this watchdog, which names the rank, speaks first. A rank cut off
+from the store ends too: a second thread sees that the store has not answered its
+heartbeat for `timeout_s`, and says so."""
 
 from __future__ import annotations
 
@@ -28,8 +30,15 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.interval_s = min(1.0, timeout_s / 50)
         self.stopping = threading.Event()
+        self.answered = time.monotonic()  # when the store last answered this rank
         self.thread = threading.Thread(target=self.run, name="ddp-watchdog", daemon=True)
         self.thread.start()
+        # A call to a store that cannot be reached does not return (torch's store client
+        # gives no timeout to `add`), so a second thread watches the first.
+        self.store_watch = threading.Thread(
+            target=self.watch_store, name="ddp-store-watch", daemon=True
+        )
+        self.store_watch.start()
 
     def run(self) -> None:
         now = time.monotonic()
@@ -40,9 +49,9 @@ class Watchdog:
                 self.store.add(f"beat/{self.rank}", 1)
                 counts = {r: self.store.add(f"beat/{r}", 0) for r in range(self.world_size)}
             except Exception as e:  # the store itself is gone: torchrun's agent stopped
-                self.fail(f"the rendezvous store does not answer ({e})")
+                self.fail(f"the rendezvous store is gone ({e}): torchrun's agent has stopped")
                 return
-            now = time.monotonic()
+            now = self.answered = time.monotonic()
             for r, count in counts.items():
                 if count != last_count[r]:
                     last_count[r], last_change[r] = count, now
@@ -56,6 +65,17 @@ class Watchdog:
                 )
                 return
 
+    def watch_store(self) -> None:
+        while self.thread.is_alive():  # after stop() too, until the heartbeat's call returns
+            time.sleep(self.interval_s)
+            if self.thread.is_alive() and time.monotonic() - self.answered > self.timeout_s:
+                self.fail(
+                    f"the rendezvous store has not answered for {self.timeout_s:g} s "
+                    "(--timeout): this node is cut off from the store's node, or that node "
+                    "is down"
+                )
+                return
+
     def fail(self, why: str) -> None:
         """Say why on stderr and end this process: the main thread may be blocked inside a
         collective that nothing in Python can interrupt."""
@@ -63,6 +83,9 @@ class Watchdog:
         os._exit(1)
 
     def stop(self) -> None:
-        """Before teardown: ranks that finish at different times are not missing."""
+        """Before teardown: ranks that finish at different times are not missing. The
+        heartbeat may be inside a store call; the store watch ends this rank if that call
+        does not return within the timeout."""
         self.stopping.set()
         self.thread.join()
+        self.store_watch.join()
