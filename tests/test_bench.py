@@ -1,6 +1,6 @@
-"""The benchmark's arithmetic (profiling.bench): the perfect-overlap bound, the ratios
-to it, sweeps, and the tables and figure made from them. Pure functions on hand-made
-numbers: no processes, no timing."""
+"""The benchmark's arithmetic (profiling.bench): the perfect-overlap and achievable
+bounds, the ratios to them, sweeps, and the tables and figure made from them. Pure
+functions on hand-made numbers: no processes, no timing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ddp.config import Config
 from profiling.bench import output
 from profiling.bench.options import COMM, FLOOR, REFERENCE, sweep_configs
 from profiling.bench.plot import plot
-from profiling.bench.records import perfect_overlap_bound, variant_entry
+from profiling.bench.records import achievable_bound, perfect_overlap_bound, variant_entry
 
 
 def result(name: str, times: list[float], rounds: list[int], **extra) -> dict:
@@ -81,6 +81,95 @@ def test_ratios_to_bound_and_reference_overall_and_per_round():
     assert entry["round_vs_torch_ddp"]["max"] == pytest.approx(1.11)
     # Communication alone exposes nothing: it has no compute.
     assert variant_entry(comm, by_name, bound)["exposed_comm_ms"] is None
+
+
+# Two layers' gradients; in round 0 the last layer's are ready at 0.20 s into the step,
+# the first layer's at 0.30 and 0.31 s; in round 1 all 0.02 s later.
+READY = [[0.20, 0.20, 0.30, 0.31]] * 2 + [[0.22, 0.22, 0.32, 0.33]] * 2
+
+
+def timed_floor() -> dict:
+    return {**floor(), "ready_s": READY, "grad_names": ["w1", "b1", "w0", "b0"]}
+
+
+def timed_comm(ends: list[list[float]]) -> dict:
+    """communication_alone with two buckets, the last layer's first, ending at `ends`
+    (seconds into the step, per step)."""
+    steps = [e[-1] for e in ends]
+    return {
+        **result(COMM, steps, ROUNDS),
+        "bucket_end_s": ends,
+        "bucket_names": [["b1", "w1"], ["b0", "w0"]],
+    }
+
+
+def test_achievable_bound_replays_buckets_from_when_their_gradients_were_ready():
+    # Buckets end 0.30 and 0.70 s into the step in round 0 (taking 0.30 then 0.40),
+    # 0.32 and 0.76 in round 1 (0.32, 0.44). Medians over all steps: ready w1 b1 0.21,
+    # w0 0.31, b0 0.32; the buckets take 0.31 and 0.42. Replayed: bucket 0 from 0.21
+    # (its last gradient) to 0.52, bucket 1 from 0.52 (bucket 0's end; its gradients
+    # were ready at 0.32) to 0.94; + optimizer 0.05 = 0.99 > compute_only 0.43.
+    comm = timed_comm([[0.30, 0.70]] * 2 + [[0.32, 0.76]] * 2)
+    bound = achievable_bound(timed_floor(), comm)
+    assert bound["bucket_ready_ms"] == pytest.approx([210.0, 320.0])
+    assert bound["allreduce_ms"] == pytest.approx([310.0, 420.0])
+    assert bound["last_allreduce_end_ms"] == pytest.approx(940.0)
+    assert bound["achievable_ms"] == pytest.approx(990.0)
+    assert bound["achievable_by"] == "communication"
+    # Round 0: 0.20 + 0.30 = 0.50, then 0.50 + 0.40 = 0.90, + 0.05 -> 0.95.
+    # Round 1: 0.22 + 0.32 = 0.54, then 0.54 + 0.44 = 0.98, + 0.05 -> 1.03.
+    assert bound["achievable_per_round_ms"] == {
+        "0": pytest.approx(950.0),
+        "1": pytest.approx(1030.0),
+    }
+    # The perfect-overlap bound of the same parts is looser: 0.10 + 0.73 + 0.05.
+    assert perfect_overlap_bound(timed_floor(), comm)["bound_ms"] == pytest.approx(880.0)
+
+
+def test_achievable_bound_is_compute_when_the_buckets_keep_up():
+    # Each bucket takes 0.01 s: the last ends at 0.33, + 0.05 < compute_only 0.43.
+    bound = achievable_bound(timed_floor(), timed_comm([[0.01, 0.02]] * 4))
+    assert bound["last_allreduce_end_ms"] == pytest.approx(330.0)
+    assert bound["achievable_ms"] == pytest.approx(430.0)
+    assert bound["achievable_by"] == "compute"
+
+
+def test_no_achievable_bound_without_ready_times():
+    comm = timed_comm([[0.30, 0.70]] * 4)
+    assert achievable_bound(floor(), comm) is None
+    assert achievable_bound(timed_floor(), result(COMM, [0.7] * 4, ROUNDS)) is None
+
+
+def test_ratios_and_tables_show_both_bounds(capsys):
+    comm = timed_comm([[0.30, 0.70]] * 2 + [[0.32, 0.76]] * 2)
+    stage = result("overlapped", [1.10, 1.12, 1.00, 1.04], ROUNDS)
+    by_name = {FLOOR: timed_floor(), COMM: comm, "overlapped": stage}
+    bound = perfect_overlap_bound(timed_floor(), comm) | achievable_bound(timed_floor(), comm)
+    entry = variant_entry(stage, by_name, bound)
+    assert entry["vs_bound"] == pytest.approx(1070.0 / 880.0)
+    assert entry["vs_achievable"] == pytest.approx(1070.0 / 990.0)
+    # round 0: 1.11 / 0.95, round 1: 1.02 / 1.03
+    assert entry["round_vs_achievable"]["min"] == pytest.approx(1.02 / 1.03)
+    assert entry["round_vs_achievable"]["max"] == pytest.approx(1.11 / 0.95)
+    record = record_for_sweep()
+    record["bounds"][0] |= achievable_bound(timed_floor(), comm)
+    record["variants"][2] |= {"vs_achievable": entry["vs_achievable"]}  # cap 1's stage
+    columns = output.columns(record)
+    assert columns.index("vs achievable") == columns.index("per round vs bound") + 1
+    assert [row[columns.index("vs achievable")] for row in output.rows(record)][:3] == [
+        "n/a",  # compute_only: shared, no bound of its own
+        "n/a",  # communication alone: nothing to bound
+        "1.08x",
+    ]
+    header, body = output.sweep_summary(record)
+    assert header[3:5] == ["bound ms", "achievable ms"]
+    assert body[0][3:5] == ["980.0", "990.0"]
+    assert body[1][4] == "n/a"  # this value's bound has no ready times
+    text = output.markdown([record])
+    assert "achievable bound = max(compute_only 430.0, last all-reduce's end 940.0 + " in text
+    assert "optimizer 50.0) = 990.0 ms (communication-bound; 2 buckets" in text
+    output.print_table(record)
+    assert "achievable ms" in capsys.readouterr().out
 
 
 def test_per_micro_batch_time_divides_by_the_micro_batches():
