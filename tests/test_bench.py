@@ -5,11 +5,12 @@ functions on hand-made numbers: no processes, no timing."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
 from ddp.config import Config
-from profiling.bench import output
+from profiling.bench import output, versus
 from profiling.bench.options import COMM, FLOOR, REFERENCE, sweep_configs
 from profiling.bench.plot import plot
 from profiling.bench.records import achievable_bound, perfect_overlap_bound, variant_entry
@@ -316,3 +317,33 @@ def test_plot_is_legible_at_page_width(tmp_path, monkeypatch):
             width_in = image.width / dpi
         assert dpi >= 150 and width_in <= 8.5, (len(records), dpi, width_in)
         assert sizes and min(sizes) >= 10, (len(records), sorted(set(sizes)))
+
+
+def test_versus_pairs_rounds_and_picks_the_best_of_the_sweep():
+    def entry(name, value, ms, choice=None):
+        times = list(ms)
+        return {
+            "name": name, "sweep_value": value, "median_ms": statistics.median(times),
+            "min_ms": min(times), "max_ms": max(times), "steps": 4, "rounds": 2,
+            "step_times_ms": times, "step_rounds": ROUNDS,
+            **({"auto_bucket_choice": choice} if choice else {}),
+        }  # fmt: skip
+
+    record = record_for_sweep()
+    choice = {"layout": "cut", "bucket_cap_mb": 5.0, "bucket_sizes_bytes": [3 * 2**20, 2**20]}
+    record["variants"] = [
+        entry("drop_in_auto", None, [90, 92, 100, 104], choice),  # rounds: 91, 102
+        entry("torch_ddp_default", None, [100, 100, 100, 100]),
+        entry("drop_in", 1.0, [95, 95, 98, 98]),  # median 96.5: the best cap
+        entry("drop_in", 1e6, [120, 120, 120, 120]),
+    ]
+    text = versus.table([record], "drop_in_auto", "torch_ddp_default", "drop_in")
+    (cells,) = [line for line in text.splitlines() if line.startswith("| mlp")]
+    cells = [c.strip() for c in cells.strip("|").split("|")]
+    assert cells[0] == "mlp 2048x7, batch 256/rank, 1gbit"
+    # medians 96 / 100; per round 91 / 100 and 102 / 100
+    assert cells[4] == "0.960x (0.965x, 0.91-1.02)"
+    assert cells[5] == "1: 96.5"
+    # medians 96 / 96.5; per round 91 / 95 and 102 / 98
+    assert cells[6] == f"{96 / 96.5:.3f}x ({(91 / 95 + 102 / 98) / 2:.3f}x, 0.96-1.04)"
+    assert cells[7] == "cut: 2 buckets, 3/1 MiB"
