@@ -84,9 +84,9 @@ def test_ratios_to_bound_and_reference_overall_and_per_round():
     assert variant_entry(comm, by_name, bound)["exposed_comm_ms"] is None
 
 
-# Two layers' gradients; in round 0 the last layer's are ready at 0.20 s into the step,
+# Two layers' gradients; in round 0 the last layer's are ready at 0.15 s into the step,
 # the first layer's at 0.30 and 0.31 s; in round 1 all 0.02 s later.
-READY = [[0.20, 0.20, 0.30, 0.31]] * 2 + [[0.22, 0.22, 0.32, 0.33]] * 2
+READY = [[0.15, 0.15, 0.30, 0.31]] * 2 + [[0.17, 0.17, 0.32, 0.33]] * 2
 
 
 def timed_floor() -> dict:
@@ -94,43 +94,45 @@ def timed_floor() -> dict:
 
 
 def timed_comm(ends: list[list[float]]) -> dict:
-    """communication_alone with two buckets, the last layer's first, ending at `ends`
-    (seconds into the step, per step)."""
-    steps = [e[-1] for e in ends]
+    """communication_alone with two buckets, the last layer's first (1 MiB), then the
+    first layer's (7 MiB), ending at `ends` (seconds into the step, per step)."""
     return {
-        **result(COMM, steps, ROUNDS),
+        **result(COMM, [e[-1] for e in ends], ROUNDS),
+        "allreduce_mib": [1.0, 7.0],
         "bucket_end_s": ends,
         "bucket_names": [["b1", "w1"], ["b0", "w0"]],
     }
 
 
 def test_achievable_bound_replays_buckets_from_when_their_gradients_were_ready():
-    # Buckets end 0.30 and 0.70 s into the step in round 0 (taking 0.30 then 0.40),
-    # 0.32 and 0.76 in round 1 (0.32, 0.44). Medians over all steps: ready w1 b1 0.21,
-    # w0 0.31, b0 0.32; the buckets take 0.31 and 0.42. Replayed: bucket 0 from 0.21
-    # (its last gradient) to 0.52, bucket 1 from 0.52 (bucket 0's end; its gradients
-    # were ready at 0.32) to 0.94; + optimizer 0.05 = 0.99 > compute_only 0.43.
+    # The last bucket ends 0.70 s into the step in round 0, 0.76 in round 1: median
+    # 0.73 s, of which the buckets take their bytes' share, 1/8 and 7/8: 0.09125 and
+    # 0.63875 (not 0.31 and 0.42, their ends' differences). Median ready times: w1 b1
+    # 0.16, w0 0.31, b0 0.32. Replayed: bucket 0 from 0.16 to 0.25125, bucket 1 from
+    # 0.32 (its last gradient; bucket 0 has ended) to 0.95875; + optimizer 0.05
+    # = 1.00875 > compute_only 0.43.
     comm = timed_comm([[0.30, 0.70]] * 2 + [[0.32, 0.76]] * 2)
     bound = achievable_bound(timed_floor(), comm)
-    assert bound["bucket_ready_ms"] == pytest.approx([210.0, 320.0])
-    assert bound["allreduce_ms"] == pytest.approx([310.0, 420.0])
-    assert bound["last_allreduce_end_ms"] == pytest.approx(940.0)
-    assert bound["achievable_ms"] == pytest.approx(990.0)
+    assert bound["bucket_ready_ms"] == pytest.approx([160.0, 320.0])
+    assert bound["allreduce_ms"] == pytest.approx([91.25, 638.75])
+    assert bound["bucket_end_ms"] == pytest.approx([310.0, 730.0])
+    assert bound["last_allreduce_end_ms"] == pytest.approx(958.75)
+    assert bound["achievable_ms"] == pytest.approx(1008.75)
     assert bound["achievable_by"] == "communication"
-    # Round 0: 0.20 + 0.30 = 0.50, then 0.50 + 0.40 = 0.90, + 0.05 -> 0.95.
-    # Round 1: 0.22 + 0.32 = 0.54, then 0.54 + 0.44 = 0.98, + 0.05 -> 1.03.
+    # Round 0: 0.70 s -> 0.0875 + 0.6125; 0.15 -> 0.2375, 0.31 -> 0.9225; + 0.05.
+    # Round 1: 0.76 s -> 0.095 + 0.665; 0.17 -> 0.265, 0.33 -> 0.995; + 0.05.
     assert bound["achievable_per_round_ms"] == {
-        "0": pytest.approx(950.0),
-        "1": pytest.approx(1030.0),
+        "0": pytest.approx(972.5),
+        "1": pytest.approx(1045.0),
     }
     # The perfect-overlap bound of the same parts is looser: 0.10 + 0.73 + 0.05.
     assert perfect_overlap_bound(timed_floor(), comm)["bound_ms"] == pytest.approx(880.0)
 
 
 def test_achievable_bound_is_compute_when_the_buckets_keep_up():
-    # Each bucket takes 0.01 s: the last ends at 0.33, + 0.05 < compute_only 0.43.
+    # 0.02 s of communication: bucket 1 from 0.32 to 0.3375, + 0.05 < compute_only 0.43.
     bound = achievable_bound(timed_floor(), timed_comm([[0.01, 0.02]] * 4))
-    assert bound["last_allreduce_end_ms"] == pytest.approx(330.0)
+    assert bound["last_allreduce_end_ms"] == pytest.approx(337.5)
     assert bound["achievable_ms"] == pytest.approx(430.0)
     assert bound["achievable_by"] == "compute"
 
@@ -148,10 +150,10 @@ def test_ratios_and_tables_show_both_bounds(capsys):
     bound = perfect_overlap_bound(timed_floor(), comm) | achievable_bound(timed_floor(), comm)
     entry = variant_entry(stage, by_name, bound)
     assert entry["vs_bound"] == pytest.approx(1070.0 / 880.0)
-    assert entry["vs_achievable"] == pytest.approx(1070.0 / 990.0)
-    # round 0: 1.11 / 0.95, round 1: 1.02 / 1.03
-    assert entry["round_vs_achievable"]["min"] == pytest.approx(1.02 / 1.03)
-    assert entry["round_vs_achievable"]["max"] == pytest.approx(1.11 / 0.95)
+    assert entry["vs_achievable"] == pytest.approx(1070.0 / 1008.75)
+    # round 0: 1.11 / 0.9725, round 1: 1.02 / 1.045
+    assert entry["round_vs_achievable"]["min"] == pytest.approx(1.02 / 1.045)
+    assert entry["round_vs_achievable"]["max"] == pytest.approx(1.11 / 0.9725)
     record = record_for_sweep()
     record["bounds"][0] |= achievable_bound(timed_floor(), comm)
     record["variants"][2] |= {"vs_achievable": entry["vs_achievable"]}  # cap 1's stage
@@ -160,15 +162,15 @@ def test_ratios_and_tables_show_both_bounds(capsys):
     assert [row[columns.index("vs achievable")] for row in output.rows(record)][:3] == [
         "n/a",  # compute_only: shared, no bound of its own
         "n/a",  # communication alone: nothing to bound
-        "1.08x",
+        "1.06x",  # 1070 / 1008.75
     ]
     header, body = output.sweep_summary(record)
     assert header[3:5] == ["bound ms", "achievable ms"]
-    assert body[0][3:5] == ["980.0", "990.0"]
+    assert body[0][3:5] == ["980.0", "1008.8"]
     assert body[1][4] == "n/a"  # this value's bound has no ready times
     text = output.markdown([record])
-    assert "achievable bound = max(compute_only 430.0, last all-reduce's end 940.0 + " in text
-    assert "optimizer 50.0) = 990.0 ms (communication-bound; 2 buckets" in text
+    assert "achievable bound = max(compute_only 430.0, last all-reduce's end 958.8 + " in text
+    assert "optimizer 50.0) = 1008.8 ms (communication-bound; 2 buckets" in text
     output.print_table(record)
     assert "achievable ms" in capsys.readouterr().out
 
