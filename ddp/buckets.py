@@ -62,6 +62,12 @@ def assign_buckets(
         ready_order=ready_order,
         sparse=sparse,
     )
+    return buckets_from_plan(plan, sparse)
+
+
+def buckets_from_plan(plan: list[Members], sparse: frozenset[str] = frozenset()) -> list[Bucket]:
+    """One bucket per list of members, in the plan's order, each with its zeroed flat
+    buffer (or, for a parameter named in `sparse`, an empty sparse gradient)."""
     return [_make_bucket(index, members, sparse) for index, members in enumerate(plan)]
 
 

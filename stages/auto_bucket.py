@@ -7,12 +7,16 @@ leaves it to you (25 MiB by default); Horovod autotunes its fusion buffer instea
 This stage measures and decides. In the second synchronised backward it records when
 each gradient became ready; then, at the next forward, it times a few all-reduces
 (a tiny one for the fixed cost, a large one for the bandwidth), takes the slowest
-rank's figures so that every rank computes the same answer, replays that backward for
-each candidate cap with those costs, and rebuilds the buckets with the cap whose
-communication would end first.
+rank's figures so that every rank computes the same answer, and replays that backward
+with those costs, for two kinds of layout: every candidate uniform cap, as torch would
+cut, and the model's own cut, where each bucket gets the size that makes the last
+all-reduce end first (a dynamic program over where to cut the ready order,
+`ddp/bucket_cuts.py`; torch takes one cap for every bucket, and a list of caps per
+bucket was proposed upstream but not merged). It rebuilds the buckets with the cut if
+that is predicted to end before the best uniform cap, and with that cap otherwise.
 
     model = AutoBucketDDP(model, bucket_cap_mb="auto")
-    ...  # after the third step: model.auto_bucket_choice["bucket_cap_mb"]
+    ...  # after the third step: model.auto_bucket_choice["bucket_sizes_bytes"]
 
     python -m profiling.bench --variants drop_in_auto,torch_ddp_default --network 1gbit
 
@@ -31,15 +35,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut
 from ddp.buckets import Bucket, Members, plan_buckets
 from stages.join import JoinDDP
 
 CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6: one bucket
+NEAR_TIE = 0.01  # layouts predicted within 1% of the best are ties: the fewest buckets win
 
 
 # --8<-- [start:construction]
 class AutoBucketDDP(JoinDDP):
-    """Stage 13: `bucket_cap_mb="auto"`: the cap that measured timings say ends first."""
+    """Stage 13: `bucket_cap_mb="auto"`: buckets cut where measured timings say
+    communication ends first."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | str = 25.0, **options):
         auto = bucket_cap_mb == "auto"
@@ -57,6 +64,7 @@ class AutoBucketDDP(JoinDDP):
         self._ready_s: dict[int, float] = {}  # status row position -> seconds since first ready
         self._first_ready_s = 0.0  # perf_counter() at the first gradient of that backward
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
+        self._cut_sizes: list[int] | None = None  # the model's buckets, in parameters
 
     # --8<-- [end:construction]
 
@@ -76,34 +84,28 @@ class AutoBucketDDP(JoinDDP):
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
         ready_s, (latency_s, s_per_byte) = measured[:n].tolist(), measured[n:].tolist()
         order = sorted(range(n), key=lambda k: ready_s[k])
-        named = [self.named_trainable[k] for k in order]
-        first = lambda cap: min(cap, self.first_bucket_cap_mb or cap)  # noqa: E731
-        predicted = {
-            cap: _replay(
-                plan_buckets(
-                    named,
-                    cap,
-                    first_bucket_cap_mb=first(cap),
-                    ready_order=True,
-                    sparse=self._sparse,
-                ),
-                ready_s,
-                self._position,
-                latency_s,
-                s_per_byte,
-            )
-            for cap in CANDIDATES_MB
-        }
-        best = min(predicted.values())
-        cap = max(c for c, t in predicted.items() if t <= best * 1.01)  # near-ties: fewer
-        self.auto_bucket_choice = {
-            "bucket_cap_mb": cap,
-            "latency_s": latency_s,
-            "bandwidth_MBps": 1e-6 / s_per_byte if s_per_byte > 0 else float("inf"),
-            "backward_s": max(ready_s),
-            "predicted_s": predicted,
-        }
-        self._rebuild_buckets(order, cap, first(cap))  # the replayed order: the same everywhere
+        self.auto_bucket_choice, self._cut_sizes = choose_layout(
+            [self.named_trainable[k] for k in order],
+            [ready_s[k] for k in order],
+            latency_s,
+            s_per_byte,
+            first_bucket_cap_mb=self.first_bucket_cap_mb,
+            sparse=self._sparse,
+        )
+        cap = self.auto_bucket_choice["bucket_cap_mb"]
+        # The replayed order: the same everywhere.
+        self._rebuild_buckets(order, cap, min(cap, self.first_bucket_cap_mb or cap))
+
+    def _rebuilt_layout(
+        self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
+    ) -> list[Members]:
+        if self._cut_sizes is None:  # before the choice, or the uniform cap won
+            return super()._rebuilt_layout(named, bucket_cap_mb, first_bucket_cap_mb)
+        plan, start = [], 0
+        for size in self._cut_sizes:  # the model's buckets: runs of the ready order
+            plan.append(named[start : start + size])
+            start += size
+        return plan
 
     def _time_allreduce(self) -> tuple[float, float]:
         """(fixed seconds per all-reduce, seconds per byte), from this rank's view."""
@@ -136,6 +138,68 @@ class AutoBucketDDP(JoinDDP):
         super()._mark_ready(bucket, i, grad)
 
     # --8<-- [end:backward]
+
+
+# --8<-- [start:choice]
+def choose_layout(
+    named: Members,
+    ready_s: list[float],
+    latency_s: float,
+    s_per_byte: float,
+    *,
+    first_bucket_cap_mb: float | None,
+    sparse: frozenset[str] = frozenset(),
+) -> tuple[dict, list[int] | None]:
+    """What `bucket_cap_mb="auto"` builds, given the parameters in the order their
+    gradients became ready (`ready_s[i]`: parameter i's) and the cost of an all-reduce:
+    the model's own cut where it is predicted to end first, else the best uniform cap.
+    Returns the record `auto_bucket_choice` holds, and the cut's bucket lengths in
+    parameters (None: the uniform cap's layout)."""
+    position = {id(p): i for i, (_, p) in enumerate(named)}
+    first = lambda cap: min(cap, first_bucket_cap_mb or cap)  # noqa: E731
+    uniform = {
+        cap: plan_buckets(
+            named, cap, first_bucket_cap_mb=first(cap), ready_order=True, sparse=sparse
+        )
+        for cap in CANDIDATES_MB
+    }
+    predicted = {
+        cap: _replay(plan, ready_s, position, latency_s, s_per_byte)
+        for cap, plan in uniform.items()
+    }
+    best = min(predicted.values())
+    uniform_cap = max(c for c, t in predicted.items() if t <= best * (1 + NEAR_TIE))
+    plan, cut = plan_cut(
+        named, ready_s, linear_cost(latency_s, s_per_byte), sparse=sparse, slack=NEAR_TIE
+    )
+    # The cut if it ends first, or as early (to rounding) in fewer buckets.
+    uniform_s, cut_s = predicted[uniform_cap], cut.end_s
+    use_cut = cut_s < uniform_s * (1 - ROUNDING) or (
+        cut_s <= uniform_s * (1 + ROUNDING) and len(cut.sizes) < len(uniform[uniform_cap])
+    )
+    if use_cut:
+        # The smallest candidate cap that every bucket of several gradients fits under:
+        # what bucket_cap_mb still promises of this layout.
+        several = [b for b, m in zip(bucket_bytes(plan), plan, strict=True) if len(m) > 1]
+        cap = min(c for c in CANDIDATES_MB if all(b <= c * 2**20 for b in several))
+    else:
+        plan, cap = uniform[uniform_cap], uniform_cap
+    record = {
+        "layout": "cut" if use_cut else "uniform",
+        "bucket_cap_mb": cap,
+        "uniform_bucket_cap_mb": uniform_cap,
+        "latency_s": latency_s,
+        "bandwidth_MBps": 1e-6 / s_per_byte if s_per_byte > 0 else float("inf"),
+        "backward_s": max(ready_s, default=0.0),
+        "predicted_s": cut.end_s,  # the model's cut
+        "predicted_uniform_s": predicted[uniform_cap],
+        "predicted_by_cap_s": predicted,
+        "bucket_sizes_bytes": bucket_bytes(plan),  # the layout built, in launch order
+    }
+    return record, cut.sizes if use_cut else None
+
+
+# --8<-- [end:choice]
 
 
 def _replay(

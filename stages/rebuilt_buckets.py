@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.buckets import Bucket, assign_buckets
+from ddp.buckets import Bucket, Members, buckets_from_plan, plan_buckets
 from stages.grad_views import GradViewsDDP
 
 
@@ -81,13 +81,13 @@ class RebuiltBucketsDDP(GradViewsDDP):
         old_views = {id(p): p.grad for _, p in self.named_trainable}
         for handle in self._hook_handles:
             handle.remove()
-        self.buckets = assign_buckets(
-            [self.named_trainable[k] for k in order_t.tolist()],
-            bucket_cap_mb,
-            # A small first bucket, never larger than the others.
-            first_bucket_cap_mb=min(first_bucket_cap_mb or bucket_cap_mb, bucket_cap_mb),
-            ready_order=True,
-            sparse=self._sparse,
+        self.buckets = buckets_from_plan(
+            self._rebuilt_layout(
+                [self.named_trainable[k] for k in order_t.tolist()],
+                bucket_cap_mb,
+                first_bucket_cap_mb,
+            ),
+            self._sparse,
         )
         self._register_hooks()
         self._prepare_for_backward()
@@ -98,6 +98,20 @@ class RebuiltBucketsDDP(GradViewsDDP):
                         bucket.view_of(i).copy_(old_views[id(param)])
                         param.grad = bucket.view_of(i)
         self.bucket_cap_mb = bucket_cap_mb
+
+    def _rebuilt_layout(
+        self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
+    ) -> list[Members]:
+        """The new buckets' members, in launch order, from the trainable parameters in
+        ready order: at most `bucket_cap_mb` MiB each, as `plan_buckets` cuts them."""
+        return plan_buckets(
+            named,
+            bucket_cap_mb,
+            # A small first bucket, never larger than the others.
+            first_bucket_cap_mb=min(first_bucket_cap_mb or bucket_cap_mb, bucket_cap_mb),
+            ready_order=True,
+            sparse=self._sparse,
+        )
 
     # --8<-- [end:forward]
 

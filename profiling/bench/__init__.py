@@ -40,9 +40,24 @@ waited for, timed like a step (A). No wrapper that synchronises once per step ca
 since compute and communication at best overlap completely. Every figure here is the
 median of the slowest rank per step.
 
+The achievable bound is tighter: communication cannot start before the gradients of a
+bucket exist. The compute_only steps also record when each gradient became ready (a
+hook on each parameter, seconds after the step's start), and communication_alone when
+each bucket's all-reduce ended (so what each one took). Replaying the overlapped
+schedule with no contention, bucket i's all-reduce starts once its last gradient is
+ready and bucket i - 1's has ended, and takes what it took alone; with E the end of the
+last one,
+
+    achievable = max(compute_only, E + O)
+
+for communication_alone's layout (reverse parameter order at the cap). Medians per
+gradient and per bucket, overall and per round; the old bound keeps its name and
+meaning.
+
 Reported per variant: median, min and max over all timed steps; the ratio of medians to
-torch_ddp, to compute_only and to the bound; the ratio to torch_ddp and to the bound
-within each round (paired, so both sides share that round's noise) as median and range;
+torch_ddp, to compute_only, to the bound and to the achievable bound; the ratio to
+torch_ddp and to the bound within each round (paired, so both sides share that round's
+noise) as median and range;
 exposed communication (median step minus compute-only median: the time synchronising
 adds to the step, over what the compute hides of it); all-reduces per step; with
 several micro-batches per step, the time per micro-batch.
@@ -51,8 +66,11 @@ Sweeps. `--sweep bucket_cap_mb=1e-6,1,25,1e6` (or accumulation_steps, batch_size
 global_batch_size) builds every variant once per value and interleaves all of them in
 the same rounds, so the curve is not bent by the machine's mood; each value has its own
 bound. compute_only and communication_alone run once for all values where the swept
-field does not change them (DEPENDS_ON). The markdown adds a summary table, one row per
-value.
+field does not change them (DEPENDS_ON), and so do the variants that choose their own
+buckets (torch_ddp_default, drop_in_default, drop_in_auto) in a bucket_cap_mb sweep. The
+markdown adds a summary table, one row per value. `python -m profiling.bench.versus
+FILE.json` compares one variant with another and with the best value of a sweep, per
+workload, from results already written.
 
 Outputs: the table on stdout; --json and --markdown write the same results, --plot a PNG
 (one panel per workload: bars, or the sweep's curve). With --merge, the workloads already
@@ -68,6 +86,7 @@ refused (tracing would time itself).
 The package, in the order a run goes through it: `options` (the command line, the
 variant names, sweeps), `launch` (torchrun, on loopback or a shaped cluster),
 `variants` (building and stepping each contender), `rounds` (the interleaved rounds on
-every rank), `records` (the JSON record: bound, ratios, machine), `output` (the table,
-the markdown, the files) and `plot` (the PNG).
+every rank), `records` (the JSON record: bounds, ratios, machine), `output` (the table,
+the markdown, the files), `plot` (the PNG) and, apart, `versus` (a comparison of
+results already written).
 """

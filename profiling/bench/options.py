@@ -21,12 +21,18 @@ FLOOR = "compute_only"
 COMM = "communication_alone"  # the bound's middle term: the buckets' all-reduces, no compute
 # Config fields a sweep may vary: each value gets its own variants and batches.
 SWEEPABLE = ("bucket_cap_mb", "accumulation_steps", "batch_size", "global_batch_size")
-# What the two parts of the bound depend on: swept over anything else, they run once and
-# serve every value (compute_only does not care about buckets, nor the all-reduces about
-# the batch), which saves a sweep minutes and memory.
+# What the two parts of the bound, and the variants that ignore the cap, depend on: swept
+# over anything else, they run once and serve every value (compute_only does not care
+# about buckets, nor the all-reduces about the batch), which saves a sweep minutes and
+# memory.
+BATCH = {"accumulation_steps", "batch_size", "global_batch_size"}
 DEPENDS_ON = {
-    FLOOR: {"accumulation_steps", "batch_size", "global_batch_size"},
+    FLOOR: BATCH,
     COMM: {"bucket_cap_mb"},
+    # Variants that choose their buckets themselves, whatever --bucket-cap-mb says.
+    "torch_ddp_default": BATCH,
+    "drop_in_default": BATCH,
+    "drop_in_auto": BATCH,
 }
 
 

@@ -85,7 +85,7 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
         progress.start("warm-up", warmup_steps)
     for variant in variants:
         for micro_batches in warm[batch_key(variant.cfg)]:
-            seconds, _, _ = step(variant, micro_batches, device)
+            seconds, _ = step(variant, micro_batches, device)
             progress.step(seconds, detail=variant.name)
     if warmup_steps:
         progress.finish()
@@ -105,20 +105,20 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
             # The first step after a switch can pay for the previous variant having
             # pushed this one's memory out of cache: an artifact of interleaving.
             for i, micro_batches in enumerate(round_batches[batch_key(variant.cfg)]):
-                seconds, forward_s, optimizer_s = step(variant, micro_batches, device)
+                seconds, parts = step(variant, micro_batches, device)
                 progress.step(seconds, detail=variant.name)
                 if i >= opts.round_warmup:
                     variant.step_times_s.append(seconds)
                     variant.step_rounds.append(r)
-                    if forward_s is not None:
-                        variant.forward_s.append(forward_s)
-                        variant.optimizer_s.append(optimizer_s)
+                    for name, value in parts.items():  # the bounds' parts
+                        getattr(variant, name).append(value)
         progress.finish()
     elapsed = time.perf_counter() - started
 
-    def slowest(times: list[float]) -> list[float]:
+    def slowest(times: list) -> list:
+        """Per step (and per gradient or bucket, for lists of lists), the slowest rank's."""
         out = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return out.tolist()
 
     results = []
@@ -146,8 +146,18 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
                     {
                         "forward_s": slowest(variant.forward_s),
                         "optimizer_s": slowest(variant.optimizer_s),
+                        "ready_s": slowest(variant.ready_s),
+                        "grad_names": variant.grad_names,
                     }
                     if variant.name == FLOOR
+                    else {}
+                ),
+                **(
+                    {
+                        "bucket_end_s": slowest(variant.bucket_end_s),
+                        "bucket_names": [b.names for b in variant.buckets],
+                    }
+                    if variant.name == COMM
                     else {}
                 ),
             }

@@ -38,11 +38,18 @@ class Variant:
     buckets: list[Bucket] = field(default_factory=list)  # communication_alone's buffers
     step_times_s: list[float] = field(default_factory=list)  # this rank's timed steps
     step_rounds: list[int] = field(default_factory=list)  # the round of each timed step
-    # compute_only only: the bound's F and O in each timed step, from `marks`, which its
-    # hooks fill in during a step.
+    # compute_only only: the bound's F and O in each timed step, and when each gradient
+    # became ready (seconds after the step's start, in `grad_names` order), from `marks`
+    # and `ready_marks`, which its hooks fill in during a step.
     forward_s: list[float] = field(default_factory=list)
     optimizer_s: list[float] = field(default_factory=list)
+    ready_s: list[list[float]] = field(default_factory=list)
+    grad_names: list[str] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict)
+    ready_marks: dict[str, float] = field(default_factory=dict)
+    # communication_alone only: when each bucket's all-reduce had ended, in bucket
+    # order, seconds after the step's start, per timed step.
+    bucket_end_s: list[list[float]] = field(default_factory=list)
 
     def finish(self) -> None:
         finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
@@ -100,37 +107,61 @@ def build_variant(
         optimizer.register_step_pre_hook(
             lambda *_: marks.__setitem__("optimizer_start", time.perf_counter())
         )
+        # When each gradient is ready (accumulated into .grad), for the achievable bound;
+        # with k micro-batches the last one's times stay. One time stamp per parameter.
+        ready = variant.ready_marks
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                variant.grad_names.append(name)
+                param.register_post_accumulate_grad_hook(
+                    lambda _, name=name: ready.__setitem__(name, time.perf_counter())
+                )
     return variant
 
 
-def communicate(buckets: list[Bucket]) -> None:
+def communicate(buckets: list[Bucket]) -> list[float]:
     """All-reduce every bucket back to back with no compute: launched asynchronously in
-    bucket order, as the overlapped stage and torch's DDP launch them, then waited for."""
+    bucket order, as the overlapped stage and torch's DDP launch them, then waited for.
+    Returns perf_counter() as each one's wait returned: one process group serves them
+    in order, so these are when each ended (to a thread's wake-up)."""
     works = [dist.all_reduce(b.buffer, async_op=True) for b in buckets]
+    ends = []
     for work in works:
         work.wait()
+        ends.append(time.perf_counter())
+    return ends
 
 
 def step(
     variant: Variant, micro_batches: MicroBatches, device: torch.device
-) -> tuple[float, float | None, float | None]:
+) -> tuple[float, dict[str, float | list[float]]]:
     """One optimizer step (ddp.train.train_step, spans included), timed on this rank:
-    (seconds, F, O), F and O only for compute_only (else None)."""
+    (seconds, the parts of the bounds it measured), the parts named as the variant's
+    lists that keep them: for compute_only forward_s (F), optimizer_s (O) and ready_s,
+    for communication_alone bucket_end_s; for the others none."""
     # Start together: otherwise a rank's time absorbs its partner's lag from the step
     # before (or from the previous variant), and "slowest rank" loses its meaning.
     dist.barrier()
     synchronize(device)
+    variant.ready_marks.clear()
     start = time.perf_counter()
     if variant.name == COMM:
-        communicate(variant.buckets)
+        ends = communicate(variant.buckets)
     else:
         train_step(variant.wrapped, micro_batches, variant.optimizer, variant.finish)
     synchronize(device)
     end = time.perf_counter()
+    if variant.name == COMM:
+        return end - start, {"bucket_end_s": [t - start for t in ends]}
     if not variant.marks:
-        return end - start, None, None
-    # zero_grad counts with the optimizer, as in train_step's "optimizer" span.
-    return end - start, variant.marks["forward_end"] - start, end - variant.marks["optimizer_start"]
+        return end - start, {}
+    return end - start, {
+        "forward_s": variant.marks["forward_end"] - start,
+        # zero_grad counts with the optimizer, as in train_step's "optimizer" span.
+        "optimizer_s": end - variant.marks["optimizer_start"],
+        # A parameter that got no gradient this step delays no bucket: ready at once.
+        "ready_s": [variant.ready_marks.get(n, start) - start for n in variant.grad_names],
+    }
 
 
 def global_batch(cfg: Config) -> int:
