@@ -76,6 +76,7 @@ def served_in_order(ready_s: Sequence[float], seconds: Sequence[float]) -> float
     return end
 
 
+# --8<-- [start:cut]
 def cut_buckets(
     ready_s: Sequence[float],
     nbytes: Sequence[int],
@@ -139,6 +140,9 @@ def cut_buckets(
         sizes.append(i - starts[i])
         i = starts[i]
     return Cut(sizes[::-1], ends[n], best[n])
+
+
+# --8<-- [end:cut]
 
 
 def plan_cut(

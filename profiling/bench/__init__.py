@@ -43,10 +43,11 @@ median of the slowest rank per step.
 The achievable bound is tighter: communication cannot start before the gradients of a
 bucket exist. The compute_only steps also record when each gradient became ready (a
 hook on each parameter, seconds after the step's start), and communication_alone when
-each bucket's all-reduce ended (so what each one took). Replaying the overlapped
-schedule with no contention, bucket i's all-reduce starts once its last gradient is
-ready and bucket i - 1's has ended, and takes what it took alone; with E the end of the
-last one,
+each bucket's all-reduce ended. Replaying the overlapped schedule with no contention,
+bucket i's all-reduce starts once its last gradient is ready and bucket i - 1's has
+ended, and takes its share, by bytes, of communication_alone's time (Gloo runs two
+collectives of a group at once, so consecutive end times come in pairs); with E the end
+of the last one,
 
     achievable = max(compute_only, E + O)
 

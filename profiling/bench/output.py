@@ -242,9 +242,9 @@ def markdown(records: list[dict]) -> str:
         "max(compute_only, forward + communication alone + optimizer), its parts "
         "measured in the same rounds. The *achievable* bound, where shown, replays the "
         "overlapped schedule with no contention: each bucket of communication alone, "
-        "taking the time it took there, starts once its last gradient was ready in the "
-        "compute_only steps and the bucket before it has ended; max(compute_only, that "
-        "end + optimizer).",
+        "taking its share by bytes of the time communication alone took, starts once its "
+        "last gradient was ready in the compute_only steps and the bucket before it has "
+        "ended; max(compute_only, that end + optimizer).",
     ]
     for r in records:
         s = r["settings"]

@@ -50,7 +50,11 @@ def _layout_text(choice: dict | None) -> str:
     sizes = choice.get("bucket_sizes_bytes")
     if sizes is None:  # a record from before the cut: the cap only
         return f"uniform {choice['bucket_cap_mb']:g} MiB"
-    mib = "/".join(f"{b / 2**20:.2g}" for b in sizes)
+    mib = (  # every bucket, or the range where there are many
+        "/".join(f"{b / 2**20:.2g}" for b in sizes)
+        if len(sizes) <= 8
+        else f"{min(sizes) / 2**20:.2g} to {max(sizes) / 2**20:.2g}"
+    )
     kind = "cut" if choice.get("layout") == "cut" else f"uniform {choice['bucket_cap_mb']:g}"
     return f"{kind}: {len(sizes)} buckets, {mib} MiB"
 
