@@ -1,5 +1,6 @@
-"""The simulated step of each of the first four stages, drawn as the stage pages draw
-the traced one: a compute lane and a communication lane.
+"""The simulated step of naive, bucketed, overlapped and skip_sync, drawn in two lanes.
+
+As the stage pages draw the traced step: a compute lane and a communication lane.
 
     python -m profiling.simulate gantt      # docs/images/gantt-<stage>.svg
 
