@@ -1,9 +1,9 @@
 """The command line: one subcommand per question the simulator answers.
 
-    python -m profiling.simulate validate [--quick]   predictions against the virtual cluster
-    python -m profiling.simulate gantt                 the simulated step of each stage, drawn
-    python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
-    python -m profiling.simulate paper                 the papers' figures against the model
+python -m profiling.simulate validate [--quick]   predictions against the virtual cluster
+python -m profiling.simulate gantt                 the simulated step of each stage, drawn
+python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
+python -m profiling.simulate paper                 the papers' figures against the model
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Predictions against the virtual cluster: predict a grid of runs, then measure them.
 
-    python -m profiling.simulate validate --quick      # 13 runs, about 4 minutes
+    python -m profiling.simulate validate --quick      # 13 runs, about 6 minutes
     python -m profiling.simulate validate --json docs/results/simulate-validate.json \\
         --markdown docs/results/simulate-validate.md     # the whole grid
     python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
@@ -38,8 +38,14 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the hints: the command's parser imports this module
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.schedule import StageSchedule, Workload
 
 # What the grid measures. The MLP is sized so that communication (16 MiB of gradients,
 # about 140 ms at 1 Gbit/s on 2 ranks) outweighs its compute at 1 Gbit/s and not at
@@ -79,7 +85,7 @@ class Run:
         return f"{self.model} {self.rate} x{self.world_size} {self.stage}{cap}"
 
 
-def grid(models, rates, world_sizes) -> list[Run]:
+def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]) -> list[Run]:
     """Every run, grouped by (model, rate, world size) as the benchmark measures them."""
     runs = []
     for model in models:
@@ -98,7 +104,9 @@ def grid(models, rates, world_sizes) -> list[Run]:
 
 
 # --8<-- [start:layout]
-def layout(stage: str, workload, cap_mb: float | None, lanes: int = 1):
+def layout(
+    stage: str, workload: Workload, cap_mb: float | None, lanes: int = 1
+) -> tuple[list[list[int]], StageSchedule]:
     """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
@@ -119,7 +127,7 @@ def layout(stage: str, workload, cap_mb: float | None, lanes: int = 1):
 # --8<-- [end:layout]
 
 
-def predict(run: Run, calibration) -> dict:
+def predict(run: Run, calibration: Calibration) -> dict:
     """The simulated step of `run` under its (rate, world size)'s calibration."""
     from profiling.simulate.schedule import simulate
 
@@ -488,7 +496,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="only the MLP at 1gbit on 2 ranks: 13 runs in about 4 minutes",
+        help="only the MLP at 1gbit on 2 ranks: 13 runs in about 6 minutes",
     )
     parser.add_argument("--json", help="write calibration, predictions, measurements here")
     parser.add_argument("--markdown", help="write the table as a fragment for the docs")
