@@ -231,3 +231,35 @@ def test_not_counted_without_measurement():
 def test_inputs_use_one_thread():
     measure_workload(Config(model="mlp", width=16, depth=2, batch_size=4), repeats=1, warmup=0)
     assert torch.get_num_threads() == 1
+
+
+# - the Gantt charts -------------------------------------------------------------------------
+
+
+def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.gantt import CAPTIONS, draw, simulate_stages
+    from profiling.simulate.schedule import Grad, Workload, linear_cost
+
+    MiB = 2**20
+    # Three 10 MiB gradients: the stages' 25 MiB cap makes buckets [2, 1] and [0].
+    workload = Workload(
+        (Grad("w0", 10 * MiB, 3.0), Grad("w1", 10 * MiB, 2.0), Grad("w2", 10 * MiB, 1.0)),
+        forward_s=1.0,
+        backward_s=3.0,
+        optimizer_s=1.0,
+    )
+    cost = linear_cost(0.0, 1.0 / (10 * MiB))  # 1 s per 10 MiB
+    calibration = Calibration("1gbit", 2, cost, 1, {"mlp": workload}, {"mlp": 0.0})
+    steps = simulate_stages(workload, calibration)
+    comm = {stage: [s.label for s in step.lane("comm")] for stage, step in steps.items()}
+    assert comm["naive"] == ["w0", "w1", "w2"]
+    assert comm["bucketed"] == ["bucket 0", "w0"] == comm["overlapped"]
+    # naive and bucketed: 1 + 3 + 3 + 1; overlapped: bucket 0 (20 MiB) 3-5 after w1 at
+    # backward's 2 s, w0 5-6, optimizer 6-7; skip_sync: 3 more micro-batches of 4 s first.
+    assert [steps[s].step_s for s in ("naive", "bucketed", "overlapped", "skip_sync")] == [
+        8.0, 8.0, 7.0, 19.0,
+    ]  # fmt: skip
+    path = tmp_path / "gantt.svg"
+    draw(steps["overlapped"], CAPTIONS["overlapped"], path)
+    assert CAPTIONS["overlapped"] in path.read_text()
