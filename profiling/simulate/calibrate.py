@@ -167,9 +167,13 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
 def worker(settings: dict) -> None:
     import torch.distributed as dist
 
+    from ddp.dist import setup_process_group, teardown_process_group
     from profiling.collectives.worker import sweep
 
-    dist.init_process_group("gloo")
+    # The stages' setup and teardown: torch._dynamo imported before the group exists (the
+    # optimizer's step would import it after, and keep the group alive into interpreter
+    # shutdown, where Gloo's threads can abort the process).
+    setup_process_group("gloo")
     try:
         rank = dist.get_rank()
         sweep_result = sweep(settings["sweep"])
@@ -189,7 +193,7 @@ def worker(settings: dict) -> None:
             Path(settings["out"]).write_text(json.dumps(result))
         _say(f"calibration done on {dist.get_world_size()} ranks")
     finally:
-        dist.destroy_process_group()
+        teardown_process_group()
 
 
 def _say(text: str) -> None:
