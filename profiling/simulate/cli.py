@@ -1,8 +1,9 @@
 """The command line: one subcommand per question the simulator answers.
 
-    python -m profiling.simulate validate [--quick]   predictions against the virtual cluster
-    python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
-    python -m profiling.simulate paper                 the papers' figures against the model
+python -m profiling.simulate validate [--quick]   predictions against the virtual cluster
+python -m profiling.simulate gantt                 the simulated step of each stage, drawn
+python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
+python -m profiling.simulate paper                 the papers' figures against the model
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 # cluster and matplotlib are imported inside run).
 COMMANDS = {
     "validate": "profiling.simulate.validate",
+    "gantt": "profiling.simulate.gantt",
     "scale": "profiling.simulate.scale",
     "paper": "profiling.simulate.paper",
 }

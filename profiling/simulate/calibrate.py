@@ -1,0 +1,285 @@
+"""Calibration: everything a prediction needs, measured on the virtual cluster at one
+rate and world size, before any run it predicts is measured.
+
+    calibration = calibrate("1gbit", 2, {"mlp": Config(model="mlp", ...)})
+
+One cluster (`profiling.cluster.VirtualCluster`), one torchrun node per rank, each
+running `worker` (this module under torchrun), which measures, in this order:
+
+1. the collective cost: Gloo's all-reduce at a handful of sizes, with the all-reduce
+   benchmark's own sweep (`profiling.collectives.worker.sweep`: rounds interleaved,
+   the slowest rank's time per call, and `tensor += other` for gamma), fitted on the
+   driver's side with `profiling.collectives.model.fit` and turned into a `Cost` per
+   size by `cost_model`;
+2. concurrency: two all-reduces launched asynchronously at once against one. Gloo
+   serves a process group with two worker threads, so two collectives can be in flight
+   together; where two small ones take about as long as one, the model gets two lanes
+   (`lanes`);
+3. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
+   a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
+   repeat kept), and the same backward again with one all-reduce in flight that lasts
+   longer than it: `slowdown` = backward with / backward without - 1, how much longer
+   compute takes while communication runs on the same cores.
+
+Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
+the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp.config import Config
+from profiling.collectives.model import counts, fit, measure_gamma, medians
+from profiling.simulate.inputs import workload_from_json
+from profiling.simulate.schedule import Cost, CostModel, Workload
+
+ALGORITHM = "gloo"  # the stages call torch's all-reduce: Gloo's ring, on CPU
+# The sweep: 4 KiB to 16 MiB by factors of 4 (7 sizes: 4 fitted, 3 held out), as many
+# rounds as fit in half a second per size, 3 to 10. About 10 s on 4 ranks at 1 Gbit/s.
+SWEEP = {
+    "sizes_bytes": [4 * 2**10 * 4**k for k in range(7)],
+    "algorithms": [ALGORITHM],
+    "delay_ms": 0.0,
+    "min_repeats": 3,
+    "max_repeats": 10,
+    "seconds_per_size": 0.5,
+}
+CONCURRENCY_BYTES = (4 * 2**10, 4 * 2**20)  # latency-bound, and wire-bound
+CONCURRENCY_REPEATS = 30  # a few ms each: the medians of many, as one pair is noisy
+TWO_LANES_BELOW = 1.5  # two small all-reduces at once take < 1.5x one: they overlap
+REPEATS = 15  # timed compute repeats per model, each way (alone, with communication)
+WARMUP = 3
+COMM_COVER = 2.0  # the all-reduce in flight is sized to last this many backwards
+MAX_COMM_BYTES = 256 * 2**20
+ENV = "SIMULATE_CALIBRATION"
+
+
+# --8<-- [start:cost]
+def cost_model(fit: dict, world_size: int, algorithm: str = ALGORITHM) -> CostModel:
+    """The fitted alpha-beta-gamma model as a `Cost` per size: latency = steps * alpha +
+    bytes added * gamma (message rounds and the reduction, which no other collective
+    slows), wire = sum over phases of max(0, phase bytes - free_bytes) * beta (what holds
+    the link)."""
+
+    def cost(nbytes: int) -> Cost:
+        c = counts(algorithm, world_size, nbytes)
+        wire = sum(max(0.0, phase - fit["free_bytes"]) for phase in c.phases)
+        return Cost(
+            latency_s=c.steps * fit["alpha_s"] + c.added * fit["gamma"],
+            wire_s=wire * fit["beta_s_per_byte"],
+        )
+
+    return cost
+
+
+# --8<-- [end:cost]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One (rate, world size)'s model inputs."""
+
+    rate: str
+    world_size: int
+    cost: CostModel
+    lanes: int
+    workloads: dict[str, Workload]  # model key -> its compute
+    slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
+
+    @classmethod
+    def from_json(cls, data: dict) -> Calibration:
+        return cls(
+            rate=data["rate"],
+            world_size=data["world_size"],
+            cost=cost_model(data["fit"], data["world_size"]),
+            lanes=data["lanes"],
+            workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
+            slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
+        )
+
+
+def lanes(concurrency: list[dict]) -> int:
+    """2 if two latency-bound all-reduces launched together overlap, else 1."""
+    small = min(concurrency, key=lambda c: c["size_bytes"])
+    return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
+
+
+# - the driver ------------------------------------------------------------------------
+
+
+def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: float = 900) -> dict:
+    """Run `worker` on a fresh cluster of `world_size` ranks linked at `rate`; return its
+    measurements with the cost fit and the lanes (plain data; `Calibration.from_json`)."""
+    from profiling.cluster.network import available
+    from profiling.cluster.virtual_cluster import VirtualCluster
+    from profiling.report import load_average
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"profiling.simulate: no shaped network ({why}); run as root")
+    load_before = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "calibration.json"
+        settings = {
+            "out": str(out),
+            "sweep": SWEEP,
+            "configs": {k: dataclasses.asdict(c) for k, c in configs.items()},
+        }
+        with VirtualCluster(ranks=world_size, rate=rate) as cluster:
+            code = cluster.run(
+                ["-m", "profiling.simulate.calibrate"],
+                env={ENV: json.dumps(settings)},
+                timeout=timeout,
+            ).returncode
+        if code != 0:
+            raise SystemExit(
+                f"profiling.simulate: calibration on {world_size} ranks at {rate} failed "
+                f"(exit {code}); its output is above"
+            )
+        result = json.loads(out.read_text())
+    sweep = {**result["sweep"], "network": {"rate": rate}}
+    fits = fit(medians([sweep]), measure_gamma([sweep]))
+    if ALGORITHM not in fits:
+        raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
+    return {
+        "rate": rate,
+        "world_size": world_size,
+        "fit": fits[ALGORITHM],
+        "lanes": lanes(result["concurrency"]),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        **result,
+    }
+
+
+# - the worker, on every rank -----------------------------------------------------------
+
+
+def worker(settings: dict) -> None:
+    import torch.distributed as dist
+
+    from ddp.dist import setup_process_group, teardown_process_group
+    from profiling.collectives.worker import sweep
+
+    # The stages' setup and teardown: torch._dynamo imported before the group exists (the
+    # optimizer's step would import it after, and keep the group alive into interpreter
+    # shutdown, where Gloo's threads can abort the process).
+    setup_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        sweep_result = sweep(settings["sweep"])
+        largest = max(c["size_bytes"] for c in sweep_result["cells"])
+        largest_s = statistics.median(
+            next(c["seconds"] for c in sweep_result["cells"] if c["size_bytes"] == largest)
+        )
+        result = {
+            "sweep": sweep_result,
+            "concurrency": [_concurrency(n) for n in CONCURRENCY_BYTES],
+            "models": {
+                key: _model(Config(**cfg), largest_s / largest)
+                for key, cfg in settings["configs"].items()
+            },
+        }
+        if rank == 0:
+            Path(settings["out"]).write_text(json.dumps(result))
+        _say(f"calibration done on {dist.get_world_size()} ranks")
+    finally:
+        teardown_process_group()
+
+
+def _say(text: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"calibration: {text}", file=sys.stderr, flush=True)
+
+
+def _concurrency(nbytes: int) -> dict:
+    """Seconds (median of the slowest rank) for one all-reduce of `nbytes`, and for two
+    launched asynchronously at once and both waited for."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp.dist import slowest_seconds
+
+    a, b = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+
+    def two() -> None:
+        works = [dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)]
+        for work in works:
+            work.wait()
+
+    two()  # connections and buffers for both
+    one_s = statistics.median(slowest_seconds(lambda: dist.all_reduce(a), CONCURRENCY_REPEATS))
+    two_s = statistics.median(slowest_seconds(two, CONCURRENCY_REPEATS))
+    _say(f"{nbytes} B: one all-reduce {one_s * 1e3:.2f} ms, two at once {two_s * 1e3:.2f} ms")
+    return {"size_bytes": nbytes, "one_s": one_s, "two_s": two_s}
+
+
+def _model(cfg: Config, s_per_byte: float) -> dict:
+    """The compute of `cfg` on every rank at once, then backward again with an all-reduce
+    in flight for all of it."""
+    import torch
+    import torch.distributed as dist
+
+    from profiling.simulate.inputs import slowest_workload, time_repeats, workload_to_json
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def everyone(repeats: list) -> list[list]:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, repeats)
+        return gathered
+
+    # --8<-- [start:slowdown]
+    # Alternate: every other repeat has an all-reduce in flight through its backward,
+    # so both kinds see the same spells of the shared machine. Its size is the same on
+    # every rank: from the slowest rank's backward (as the benchmark times a step) in a
+    # first, short measurement, and the sweep's largest size, timed the same way.
+    options = {"rank": rank, "before_repeat": dist.barrier}
+    grads, first = time_repeats(cfg, world, repeats=3, warmup=WARMUP, **options)
+    backward_s = slowest_workload(grads, everyone(first)).backward_s
+    comm_bytes = int(min(MAX_COMM_BYTES, COMM_COVER * backward_s / s_per_byte))
+    buffer = torch.zeros(comm_bytes // 4)
+    count = iter(range(10**9))
+
+    def every_other() -> Callable[[], None]:
+        if next(count) % 2 == 0:
+            return lambda: None
+        work = dist.all_reduce(buffer, async_op=True)
+        return work.wait
+
+    _, repeats = time_repeats(
+        cfg, world, repeats=2 * REPEATS, warmup=2, around_backward=every_other, **options
+    )  # 2 warm-up repeats: one of each kind, so the count stays in step with the parity
+    per_rank = everyone(repeats)
+    workload = slowest_workload(grads, [r[0::2] for r in per_rank])
+    with_comm = slowest_workload(grads, [r[1::2] for r in per_rank])
+    slowdown = with_comm.backward_s / workload.backward_s - 1
+    # --8<-- [end:slowdown]
+    _say(
+        f"{cfg.model}: forward {workload.forward_s * 1e3:.1f} ms, backward "
+        f"{workload.backward_s * 1e3:.1f} ms alone, {with_comm.backward_s * 1e3:.1f} ms with "
+        f"{comm_bytes / 2**20:.1f} MiB in flight (slowdown {slowdown:.2f}), optimizer "
+        f"{workload.optimizer_s * 1e3:.1f} ms"
+    )
+    return {
+        "config": dataclasses.asdict(cfg),
+        "workload": workload_to_json(workload),
+        "backward_with_comm_s": with_comm.backward_s,
+        "comm_bytes": comm_bytes,
+        "slowdown": slowdown,
+    }
+
+
+if __name__ == "__main__":
+    worker(json.loads(os.environ[ENV]))

@@ -1,0 +1,134 @@
+"""The simulated step of naive, bucketed, overlapped and skip_sync, drawn in two lanes.
+
+As the stage pages draw the traced step: a compute lane and a communication lane.
+
+    python -m profiling.simulate gantt      # docs/images/gantt-<stage>.svg
+
+The workload is the one `profiling.course_timelines` traces (the benchmarks' MLP,
+2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
+measured here on one process with one thread (`inputs.measure_workload`), so each page
+can set the model's step beside the measured one. The collective cost, the lanes and
+the slowdown come from a validation's calibration on the same cluster (1 Gbit/s, 2 ranks),
+read from its JSON (`validate --json`); nothing else is run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from profiling.simulate.schedule import Step
+
+MODEL = {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128}
+BUCKET_CAP_MB = 25.0  # the stages' default, as the traced runs used
+ACCUMULATION_STEPS = 4
+STAGES = ("naive", "bucketed", "overlapped", "skip_sync")
+CAPTIONS = {
+    "naive": "simulated naive: after backward, one blocking all-reduce per parameter",
+    "bucketed": "simulated bucketed: after backward, one all-reduce per 25 MiB bucket",
+    "overlapped": "simulated overlapped: each bucket's all-reduce starts inside backward",
+    "skip_sync": f"simulated skip_sync: {ACCUMULATION_STEPS} micro-batches, the last synchronises",
+}
+WIDTH_IN = 8.0  # as the traced timelines: the docs' content column
+FONT_PT = 10
+
+
+def simulate_stages(workload, calibration) -> dict[str, Step]:
+    """Each of STAGES' simulated step on `workload` with `calibration`'s cost, lanes and
+    slowdown (the MLP's)."""
+    from profiling.simulate.layouts import per_parameter, uniform_buckets
+    from profiling.simulate.schedule import StageSchedule, simulate
+
+    buckets = uniform_buckets(workload, BUCKET_CAP_MB)
+    overlap = StageSchedule(overlap=True, lanes=calibration.lanes)
+    plans = {
+        "naive": (per_parameter(workload), StageSchedule(overlap=False)),
+        "bucketed": (buckets, StageSchedule(overlap=False)),
+        "overlapped": (buckets, overlap),
+        "skip_sync": (
+            buckets,
+            StageSchedule(True, calibration.lanes, accumulation_steps=ACCUMULATION_STEPS),
+        ),
+    }
+    slowdown = calibration.slowdowns.get("mlp", 0.0)
+    return {
+        stage: simulate(workload, layout, calibration.cost, schedule, slowdown)
+        for stage, (layout, schedule) in plans.items()
+    }
+
+
+def draw(step: Step, caption: str, path: Path) -> None:
+    """Two lanes, compute and communication, in ms from the step's start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from profiling.compare import COLOURS
+
+    plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.6))
+    for s in step.lane("compute"):
+        phase = s.label.split()[0]  # "backward (no_sync 1)" is backward too
+        ax.broken_barh(
+            [(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)], (0.65, 0.7), color=COLOURS[phase]
+        )
+    comm = [s for s in step.segments if s.lane.startswith("comm")]
+    ax.broken_barh(
+        [(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3) for s in comm],
+        (-0.35, 0.7),
+        color=COLOURS["gloo"],
+        edgecolor="white",  # back-to-back all-reduces show as separate bars
+        linewidth=0.8,
+    )
+    ax.set_yticks([1, 0], ["compute", "comm"])
+    ax.set_xlabel(f"ms from the start of the step (simulated: {step.step_s * 1e3:.0f} ms)")
+    ax.set_title(caption, loc="left")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")]
+    handles.append(Patch(color=COLOURS["gloo"], label="all-reduce in flight"))
+    fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=Path("docs/results/simulate-validate.json"),
+        help="a validation's JSON (validate --json): its calibration at --rate, --world-size",
+    )
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("docs/images"), help="gantt-<stage>.svg")
+
+
+def run(args: argparse.Namespace) -> None:
+    from ddp.config import Config
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.inputs import measure_workload
+
+    data = json.loads(args.calibration.read_text())
+    found = [
+        c
+        for c in data["calibrations"]
+        if c["rate"] == args.rate and c["world_size"] == args.world_size
+    ]
+    if not found:
+        have = [f"{c['rate']} x{c['world_size']}" for c in data["calibrations"]]
+        raise SystemExit(
+            f"{args.calibration}: no calibration at {args.rate} on {args.world_size} ranks "
+            f"(it has {have}); pass --rate and --world-size"
+        )
+    calibration = Calibration.from_json(found[0])
+    print("measuring the workload's compute ...", file=sys.stderr, flush=True)
+    workload = measure_workload(Config(**MODEL), args.world_size)
+    for stage, step in simulate_stages(workload, calibration).items():
+        path = args.out / f"gantt-{stage}.svg"
+        draw(step, CAPTIONS[stage], path)
+        print(f"{stage}: simulated step {step.step_s * 1e3:.0f} ms, wrote {path}")

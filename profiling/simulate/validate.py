@@ -1,0 +1,649 @@
+"""Predictions against the virtual cluster: predict a grid of runs, then measure them.
+
+    python -m profiling.simulate validate --quick      # 13 runs, about 6 minutes
+    python -m profiling.simulate validate --json docs/results/simulate-validate.json \\
+        --markdown docs/results/simulate-validate.md     # the whole grid
+    python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
+        --markdown docs/results/simulate-validate.md     # the table again, nothing run
+
+In order, for every (rate, world size) of the grid: calibrate on a fresh cluster
+(`calibrate`: the all-reduce cost, whether two collectives overlap, and per model the
+compute and its slowdown under communication); then predict every run and print the
+predictions; only then measure, with one `profiling.bench` invocation per (model, rate,
+world size): every stage at every bucket cap interleaved in the same rounds
+(`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep bucket_cap_mb=...`).
+The table compares each run's predicted step with its measured median; the last line
+sums it up:
+
+    prediction error: median M%, worst W% over N runs; best bucket within one grid step: yes|no
+
+A run is a (model, rate, world size, stage, bucket cap). naive has no buckets: the
+benchmark builds it once per cap anyway, and its copies, the same run interleaved in the
+same rounds, are pooled into one. compute_only is shown against the calibrated compute,
+as a check of the compute input, and is not counted.
+
+What each stage is, for the model (see `layout`): naive, one blocking all-reduce per
+parameter after backward, in parameter order; bucketed, one blocking all-reduce per
+bucket after backward, buckets in reverse parameter order; overlapped, the same buckets
+launched asynchronously from backward as they fill, in bucket order; drop_in, buckets
+rebuilt in the order gradients became ready (after the benchmark's warm-up steps) and,
+with an explicit bucket_cap_mb as here, no smaller first bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the hints: the command's parser imports this module
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.schedule import StageSchedule, Workload
+
+# What the grid measures. The MLP is sized so that communication (16 MiB of gradients,
+# about 140 ms at 1 Gbit/s on 2 ranks) outweighs its compute at 1 Gbit/s and not at
+# 4 Gbit/s; the CNN's 0.5 MiB of gradients in 17 small tensors leaves it compute-bound
+# everywhere. Caps run from one parameter per bucket to one bucket; for the MLP, whose
+# weights are 4 MiB each, 5 and 10 MiB make 4 and 2 buckets, for the CNN 0.1 and 0.3
+# MiB make 8 and 3.
+MODELS = {
+    "mlp": {"model": "mlp", "width": 1024, "depth": 5, "batch_size": 256},
+    "cnn": {"model": "cnn", "batch_size": 8},
+}
+CAPS_MB = {"mlp": (1e-6, 5.0, 10.0, 1e6), "cnn": (1e-6, 0.1, 0.3, 1e6)}
+RATES = ("1gbit", "4gbit")
+WORLD_SIZES = (2, 4)
+QUICK = {"models": ("mlp",), "rates": ("1gbit",), "world_sizes": (2,)}
+STAGES = ("naive", "bucketed", "overlapped", "drop_in")
+BUCKETED_STAGES = STAGES[1:]
+FLOOR = "compute_only"
+BENCH_ROUNDS, BENCH_STEPS, BENCH_WARMUP = 7, 3, 2
+
+
+@dataclass(frozen=True, order=True)
+class Run:
+    model: str
+    rate: str
+    world_size: int
+    stage: str
+    cap_mb: float | None  # None: naive (no buckets) and compute_only
+
+    @property
+    def group(self) -> tuple[str, str, int]:
+        return self.model, self.rate, self.world_size
+
+    @property
+    def label(self) -> str:
+        cap = "" if self.cap_mb is None else f" cap {self.cap_mb:g}"
+        return f"{self.model} {self.rate} x{self.world_size} {self.stage}{cap}"
+
+
+def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]) -> list[Run]:
+    """Every run, grouped by (model, rate, world size) as the benchmark measures them."""
+    runs = []
+    for model in models:
+        for rate in rates:
+            for world in world_sizes:
+                runs.append(Run(model, rate, world, "naive", None))
+                runs += [
+                    Run(model, rate, world, stage, cap)
+                    for stage in BUCKETED_STAGES
+                    for cap in CAPS_MB[model]
+                ]
+    return runs
+
+
+# - prediction --------------------------------------------------------------------------
+
+
+# --8<-- [start:layout]
+def layout(
+    stage: str, workload: Workload, cap_mb: float | None, lanes: int = 1
+) -> tuple[list[list[int]], StageSchedule]:
+    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload."""
+    from profiling.simulate.layouts import per_parameter, uniform_buckets
+    from profiling.simulate.schedule import StageSchedule
+
+    if stage == "naive":
+        return per_parameter(workload), StageSchedule(overlap=False)
+    if stage == "bucketed":
+        return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False)
+    if stage == "overlapped":
+        return uniform_buckets(workload, cap_mb), StageSchedule(overlap=True, lanes=lanes)
+    if stage == "drop_in":
+        # Rebuilt in ready order; an explicit cap means no smaller first bucket.
+        buckets = uniform_buckets(workload, cap_mb, first_bucket_cap_mb=None, ready_order=True)
+        return buckets, StageSchedule(overlap=True, lanes=lanes)
+    raise ValueError(f"no model of stage {stage!r}; pick one of {STAGES}")
+
+
+# --8<-- [end:layout]
+
+
+def predict(run: Run, calibration: Calibration) -> dict:
+    """The simulated step of `run` under its (rate, world size)'s calibration."""
+    from profiling.simulate.schedule import simulate
+
+    workload = calibration.workloads[run.model]
+    if run.stage == FLOOR:
+        return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
+    buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration.lanes)
+    step = simulate(workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model])
+    return {
+        "predicted_ms": step.step_s * 1e3,
+        "compute_ms": step.compute_s * 1e3,
+        "exposed_comm_ms": step.exposed_comm_s * 1e3,
+        "buckets": len(buckets),
+    }
+
+
+# - measurement -------------------------------------------------------------------------
+
+
+def bench_command(model: str, rate: str, world_size: int, json_path: str) -> list[str]:
+    cfg = MODELS[model]
+    shape = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+    caps = ",".join(f"{c:g}" for c in CAPS_MB[model])
+    return [
+        sys.executable,
+        "-m",
+        "profiling.bench",
+        "--nproc",
+        str(world_size),
+        "--network",
+        rate,
+        *shape,
+        "--variants",
+        ",".join((FLOOR, *STAGES)),
+        "--sweep",
+        f"bucket_cap_mb={caps}",
+        "--rounds",
+        str(BENCH_ROUNDS),
+        "--steps",
+        str(BENCH_STEPS),
+        "--warmup-steps",
+        str(BENCH_WARMUP),
+        "--json",
+        json_path,
+    ]
+
+
+@dataclass(frozen=True)
+class Measured:
+    median_ms: float  # over every timed step (the slowest rank's)
+    round_ms: dict[int, float]  # round -> the median of its steps
+
+    @property
+    def noise_pct(self) -> float:
+        """The spread of the round medians, as a share of the median: the bench's
+        per-round range."""
+        rounds = list(self.round_ms.values())
+        return (max(rounds) - min(rounds)) / self.median_ms * 100
+
+
+def measurements(records: list[dict]) -> dict[Run, Measured]:
+    """Each run's steps from benchmark records (as `profiling.bench --json` writes them):
+    round k holds timed steps k*S .. k*S + S - 1 of a variant (S steps per round)."""
+    out: dict[Run, list[tuple[int, float]]] = {}
+    for record in records:
+        s = record["settings"]
+        model = next(k for k, m in MODELS.items() if m["model"] == s["model"])
+        rate = s["network"]["rate"].split()[0]
+        for v in record["variants"]:
+            if v["name"] not in (FLOOR, *STAGES):
+                continue
+            cap = None if v["name"] in ("naive", FLOOR) else _on_grid(model, v["sweep_value"])
+            run = Run(model, rate, s["world_size"], v["name"], cap)
+            steps = s["steps_per_round"]
+            out.setdefault(run, []).extend(
+                (i // steps, t) for i, t in enumerate(v["step_times_ms"])
+            )  # naive's copies, one per cap, pool into one run
+    return {run: _measured(steps) for run, steps in out.items()}
+
+
+def _measured(steps: list[tuple[int, float]]) -> Measured:
+    """(round, ms) of every timed step -> the median and each round's median."""
+    rounds = sorted({k for k, _ in steps})
+    return Measured(
+        statistics.median(t for _, t in steps),
+        {k: statistics.median(t for r, t in steps if r == k) for k in rounds},
+    )
+
+
+def _on_grid(model: str, cap: float) -> float:
+    """The grid's cap that the benchmark's sweep value stands for."""
+    return min(CAPS_MB[model], key=lambda c: abs(math.log(c / cap)))
+
+
+# - analysis ----------------------------------------------------------------------------
+
+
+def error_pct(predicted_ms: float, measured_ms: float) -> float:
+    return abs(predicted_ms / measured_ms - 1) * 100
+
+
+def best_bucket(predicted: dict[Run, float], measured: dict[Run, Measured]) -> list[dict]:
+    """Per (model, rate, world size, bucketed stage): the cap with the lowest predicted
+    step against the cap with the lowest measured one, as positions in the grid's caps;
+    within one grid step if they are at most one position apart."""
+    out = []
+    groups = sorted({(r.group, r.stage) for r in measured if r.cap_mb is not None})
+    for group, stage in groups:
+        caps = [c for c in CAPS_MB[group[0]] if Run(*group, stage, c) in measured]
+        if len(caps) < 2 or any(Run(*group, stage, c) not in predicted for c in caps):
+            continue
+        best_p = min(caps, key=lambda c: predicted[Run(*group, stage, c)])
+        best_m = min(caps, key=lambda c: measured[Run(*group, stage, c)].median_ms)
+        steps = abs(caps.index(best_p) - caps.index(best_m))
+        at_p, at_m = measured[Run(*group, stage, best_p)], measured[Run(*group, stage, best_m)]
+        out.append(
+            {
+                "model": group[0],
+                "rate": group[1],
+                "world_size": group[2],
+                "stage": stage,
+                "predicted_best_mb": best_p,
+                "measured_best_mb": best_m,
+                "grid_steps": steps,
+                "ok": steps <= 1,
+                # Whether the measured steps at the two caps differ by more than the noise:
+                # a miss between two caps the rounds cannot tell apart is a miss of the noise.
+                "beyond_noise": _beyond_noise(at_p, at_m),
+            }
+        )
+    return out
+
+
+def ranking(predicted: dict[Run, float], measured: dict[Run, Measured]) -> list[dict]:
+    """Every pair of stages at the same cap (naive with each) whose measured steps differ
+    by more than the noise, with whether the prediction orders them alike. More than the
+    noise: in every round that both ran, the same one was faster (the paired per-round
+    ratio's whole range on one side of 1)."""
+    out = []
+    settings = sorted({(r.group, r.cap_mb) for r in measured if r.cap_mb is not None})
+    for group, cap in settings:
+        runs = [Run(*group, "naive", None)] + [Run(*group, s, cap) for s in BUCKETED_STAGES]
+        runs = [r for r in runs if r in measured and r in predicted]
+        for a, b in combinations(runs, 2):
+            ratios = _round_ratios(measured[a], measured[b])
+            if not _beyond_noise(measured[a], measured[b]):
+                continue
+            faster_measured = a if max(ratios) < 1 else b
+            faster_predicted = a if predicted[a] < predicted[b] else b
+            out.append(
+                {
+                    "a": a.label,
+                    "b": b.label,
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                    "measured_faster": faster_measured.label,
+                    "predicted_faster": faster_predicted.label,
+                    "ok": faster_measured == faster_predicted,
+                }
+            )
+    return out
+
+
+def _round_ratios(a: Measured, b: Measured) -> list[float]:
+    """a's round median over b's, in every round both ran: paired, so a slow spell of
+    the machine falls on both sides."""
+    return [a.round_ms[k] / b.round_ms[k] for k in sorted(a.round_ms.keys() & b.round_ms.keys())]
+
+
+def _beyond_noise(a: Measured, b: Measured) -> bool:
+    """In every round, the same one of the two was faster."""
+    ratios = _round_ratios(a, b)
+    return bool(ratios) and (max(ratios) < 1 or min(ratios) > 1)
+
+
+def analyse(predicted: dict[Run, float], measured: dict[Run, Measured]) -> dict:
+    """The table's rows, the error summary, the best-bucket and ranking checks."""
+    rows = []
+    for run in sorted(predicted, key=_table_order):
+        m = measured.get(run)
+        rows.append(
+            {
+                "run": run.label,
+                "counted": run.stage != FLOOR and m is not None,
+                "predicted_ms": predicted[run],
+                "measured_ms": None if m is None else m.median_ms,
+                "noise_pct": None if m is None else m.noise_pct,
+                "error_pct": None if m is None else error_pct(predicted[run], m.median_ms),
+            }
+        )
+    errors = [r["error_pct"] for r in rows if r["counted"]]
+    buckets = best_bucket(predicted, measured)
+    ranks = ranking(predicted, measured)
+    return {
+        "rows": rows,
+        "runs": len(errors),
+        "median_error_pct": statistics.median(errors) if errors else None,
+        "worst_error_pct": max(errors) if errors else None,
+        "best_bucket": buckets,
+        "best_bucket_ok": bool(buckets) and all(b["ok"] for b in buckets),
+        "ranking": ranks,
+        "ranking_ok": all(r["ok"] for r in ranks),
+    }
+
+
+def _table_order(run: Run) -> tuple:
+    stage = (FLOOR, *STAGES).index(run.stage)
+    return run.model, run.rate, run.world_size, stage, run.cap_mb or 0.0
+
+
+def summary_line(analysis: dict) -> str:
+    """The last line the command prints (its format is an interface: see the docs)."""
+    if not analysis["runs"]:
+        return "prediction error: no run measured; best bucket within one grid step: no"
+    return (
+        f"prediction error: median {analysis['median_error_pct']:.1f}%, "
+        f"worst {analysis['worst_error_pct']:.1f}% over {analysis['runs']} runs; "
+        f"best bucket within one grid step: {'yes' if analysis['best_bucket_ok'] else 'no'}"
+    )
+
+
+def ranking_line(analysis: dict) -> str:
+    ranks = analysis["ranking"]
+    agree = sum(r["ok"] for r in ranks)
+    return (
+        f"stages ranked as measured: {'yes' if analysis['ranking_ok'] else 'no'} "
+        f"({agree} of {len(ranks)} pairs that differ by more than the noise)"
+    )
+
+
+# - output ------------------------------------------------------------------------------
+
+
+def text_table(analysis: dict) -> str:
+    lines = [f"{'run':<40} {'predicted ms':>12} {'measured ms':>12} {'noise %':>8} {'error %':>8}"]
+    for r in analysis["rows"]:
+        measured = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        noise = "-" if r["noise_pct"] is None else f"{r['noise_pct']:.0f}"
+        error = "-" if r["error_pct"] is None else f"{r['error_pct']:.1f}"
+        note = "" if r["counted"] or r["measured_ms"] is None else "  (not counted)"
+        lines.append(
+            f"{r['run']:<40} {r['predicted_ms']:>12.1f} {measured:>12} {noise:>8} {error:>8}{note}"
+        )
+    return "\n".join(lines)
+
+
+def markdown(data: dict) -> str:
+    """The fragment the simulator's page includes: how it was made, the calibration,
+    the table, the two checks and the summary line."""
+    from profiling.report import markdown_table, produced_by
+
+    a = data["analysis"]
+    parts = [
+        produced_by([data["command"]], ", from the repository root, as root (namespaces)"),
+        "",
+        f"{a['runs']} runs; {data['machine']['usable_cores']} cores "
+        f"({data['machine']['cpu']}), torch {data['machine']['torch']}; benchmark "
+        f"{BENCH_ROUNDS} rounds x {BENCH_STEPS} timed steps per variant; "
+        f"{data['elapsed_s']['total']:.0f} s in all ({data['elapsed_s']['calibration']:.0f} s "
+        f"calibrating, {data['elapsed_s']['benchmark']:.0f} s measuring); "
+        f"{data['machine']['date_utc']} UTC.",
+        "",
+        "**Calibration**, measured before any run of the grid:",
+        "",
+    ]
+    cal_rows = []
+    for c in data["calibrations"]:
+        f = c["fit"]
+        small = min(c["concurrency"], key=lambda x: x["size_bytes"])
+        for key, m in c["models"].items():
+            w = m["workload"]
+            cal_rows.append(
+                [
+                    f"{c['rate']} x{c['world_size']}",
+                    key,
+                    f"{f['alpha_s'] * 1e6:.0f} / {1 / f['beta_s_per_byte'] / 1e6:.0f} / "
+                    f"{f['gamma'] * 1e9:.2f} / {f['free_bytes'] // 1024}",
+                    f"{f['held_out']['median_pct']:.0f}%",
+                    f"{small['one_s'] * 1e3:.2f} / {small['two_s'] * 1e3:.2f} → {c['lanes']}",
+                    f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
+                    f"{w['optimizer_s'] * 1e3:.1f}",
+                    f"{m['slowdown']:+.2f}",
+                    f"{c['load_average_before'][0]:.1f}",
+                ]
+            )
+    parts.append(
+        markdown_table(
+            [
+                "cluster",
+                "model",
+                "α µs / 1/β MB/s / γ ns/B / free KiB",
+                "held-out error",
+                "one / two 4 KiB all-reduces ms → lanes",
+                "forward / backward / optimizer ms",
+                "slowdown",
+                "load",
+            ],
+            cal_rows,
+            left=2,
+        )
+    )
+    parts += ["", "**Predicted against measured** (noise: the spread of the round medians):", ""]
+    body = []
+    for r in a["rows"]:
+        body.append(
+            [
+                r["run"] + ("" if r["counted"] else " (not counted)"),
+                f"{r['predicted_ms']:.1f}",
+                "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}",
+                "-" if r["noise_pct"] is None else f"{r['noise_pct']:.0f}%",
+                "-" if r["error_pct"] is None else f"{r['error_pct']:.1f}%",
+            ]
+        )
+    parts.append(markdown_table(["run", "predicted ms", "measured ms", "noise", "error"], body))
+    parts += ["", "**Best bucket cap**, predicted against measured:", ""]
+    parts.append(
+        markdown_table(
+            [
+                "model, cluster",
+                "stage",
+                "predicted best MiB",
+                "measured best MiB",
+                "grid steps apart",
+                "measured steps at the two differ beyond noise",
+            ],
+            [
+                [
+                    f"{b['model']} {b['rate']} x{b['world_size']}",
+                    b["stage"],
+                    f"{b['predicted_best_mb']:g}",
+                    f"{b['measured_best_mb']:g}",
+                    f"{b['grid_steps']}" + ("" if b["ok"] else " (missed)"),
+                    "yes" if b["beyond_noise"] else "no",
+                ]
+                for b in a["best_bucket"]
+            ],
+            left=2,
+        )
+    )
+    parts += ["", "**Stages that differ by more than the noise**, measured and predicted:", ""]
+    if a["ranking"]:
+        parts.append(
+            markdown_table(
+                ["pair", "measured ratio per round", "faster, measured", "faster, predicted"],
+                [
+                    [
+                        f"{r['a']} / {r['b']}",
+                        f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}",
+                        r["measured_faster"],
+                        r["predicted_faster"] + ("" if r["ok"] else " (wrong)"),
+                    ]
+                    for r in a["ranking"]
+                ],
+            )
+        )
+    else:
+        parts.append("None: every pair's per-round ratio straddles 1.")
+    parts += ["", ranking_line(a), "", "`" + summary_line(a) + "`", ""]
+    return "\n".join(parts)
+
+
+# - the command -------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the MLP at 1gbit on 2 ranks: 13 runs in about 6 minutes",
+    )
+    parser.add_argument("--json", help="write calibration, predictions, measurements here")
+    parser.add_argument("--markdown", help="write the table as a fragment for the docs")
+    parser.add_argument(
+        "--render", metavar="JSON", help="run nothing: the table and --markdown from this JSON"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.render:
+        data = json.loads(open(args.render).read())
+        return _report(data, args)
+    import tempfile
+    from pathlib import Path
+
+    from ddp.config import Config
+    from profiling.report import command_line, load_average, machine, write_json
+    from profiling.simulate.calibrate import Calibration, calibrate
+
+    spec = (
+        QUICK
+        if args.quick
+        else {"models": tuple(MODELS), "rates": RATES, "world_sizes": WORLD_SIZES}
+    )
+    runs = grid(spec["models"], spec["rates"], spec["world_sizes"])
+    started = time.perf_counter()
+    data = {
+        "command": command_line("profiling.simulate", sys.argv[1:]),
+        "grid": {
+            **spec,
+            "caps_mb": {m: CAPS_MB[m] for m in spec["models"]},
+            "models_config": {m: MODELS[m] for m in spec["models"]},
+        },
+        "load_average_before": load_average(),
+    }
+
+    # 1. Calibrate every cluster first: nothing below may be measured before.
+    calibrations = []
+    configs = {m: Config(**MODELS[m]) for m in spec["models"]}
+    for rate in spec["rates"]:
+        for world in spec["world_sizes"]:
+            print(f"calibrating at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
+            calibrations.append(_twice(calibrate, rate, world, configs))
+    data["calibrations"] = calibrations
+    calibrated = time.perf_counter()
+
+    # 2. Predict every run, and show the predictions before any is measured.
+    by_cluster = {(c["rate"], c["world_size"]): Calibration.from_json(c) for c in calibrations}
+    floors = sorted({Run(*r.group, FLOOR, None) for r in runs})
+    data["predictions"] = [
+        {**_run_json(r), **predict(r, by_cluster[r.rate, r.world_size])}
+        for r in sorted([*floors, *runs], key=_table_order)
+    ]
+    print("predicted step times, before measuring:")
+    for p in data["predictions"]:
+        print(f"  {_from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
+    sys.stdout.flush()
+    if args.json:  # kept as it grows: a later failure leaves what was done
+        write_json(args.json, data)
+
+    # 3. Measure: one benchmark per (model, rate, world size), all its runs interleaved.
+    data["bench"] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, rate, world in sorted({r.group for r in runs}):
+            path = str(Path(tmp) / f"{model}-{rate}-{world}.json")
+            command = bench_command(model, rate, world, path)
+            print(f"measuring {model} at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
+            data["bench"] += _twice(_bench, command, path)
+            if args.json:
+                write_json(args.json, data)
+    finished = time.perf_counter()
+    data["machine"] = machine()
+    data["elapsed_s"] = {
+        "calibration": calibrated - started,
+        "benchmark": finished - calibrated,
+        "total": finished - started,
+    }
+    _report(data, args)
+
+
+def _bench(command: list[str], path: str) -> list[dict]:
+    import subprocess
+    from pathlib import Path
+
+    code = subprocess.run(command).returncode
+    if code != 0:
+        raise SystemExit(
+            f"profiling.simulate: the benchmark failed (exit {code}): {' '.join(command)}"
+        )
+    return json.loads(Path(path).read_text())["workloads"]
+
+
+def _twice(measure, *args):
+    """`measure(*args)`, and once more if it fails: on a machine shared with others' jobs, a
+    cluster's run now and then dies of something not its own (a node killed from outside).
+    A second failure stops the command."""
+    try:
+        return measure(*args)
+    except SystemExit as failure:
+        print(f"{failure}; trying once more", file=sys.stderr, flush=True)
+        return measure(*args)
+
+
+def _run_json(run: Run) -> dict:
+    return {
+        "model": run.model,
+        "rate": run.rate,
+        "world_size": run.world_size,
+        "stage": run.stage,
+        "cap_mb": run.cap_mb,
+    }
+
+
+def _from_json(p: dict) -> Run:
+    return Run(p["model"], p["rate"], p["world_size"], p["stage"], p["cap_mb"])
+
+
+def _report(data: dict, args: argparse.Namespace) -> None:
+    """Analyse, print the table, write --json and --markdown; the summary line last."""
+    from profiling.report import write_json
+
+    predicted = {_from_json(p): p["predicted_ms"] for p in data["predictions"]}
+    data["analysis"] = analyse(predicted, measurements(data["bench"]))
+    print(text_table(data["analysis"]))
+    for b in data["analysis"]["best_bucket"]:
+        same = b["predicted_best_mb"] == b["measured_best_mb"]
+        print(
+            f"best cap {b['model']} {b['rate']} x{b['world_size']} {b['stage']}: predicted "
+            f"{b['predicted_best_mb']:g}, measured {b['measured_best_mb']:g} MiB"
+            + ("" if b["ok"] else " (more than one grid step apart)")
+            + ("" if same or b["beyond_noise"] else "; measured, the two are within the noise")
+        )
+    for r in data["analysis"]["ranking"]:
+        if not r["ok"]:
+            print(
+                f"ranked differently: {r['a']} / {r['b']}, measured {r['ratio_min']:.2f}-"
+                f"{r['ratio_max']:.2f} per round; predicted faster: {r['predicted_faster']}"
+            )
+    if "elapsed_s" in data:
+        e = data["elapsed_s"]
+        print(
+            f"took {e['total']:.0f} s ({e['calibration']:.0f} s calibrating, "
+            f"{e['benchmark']:.0f} s measuring)"
+        )
+    if args.json and not args.render:
+        write_json(args.json, data)
+    if args.markdown:
+        open(args.markdown, "w").write(markdown(data))
+    print(ranking_line(data["analysis"]))
+    print(summary_line(data["analysis"]))

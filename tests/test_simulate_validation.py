@@ -1,0 +1,265 @@
+"""The simulator's inputs, calibration arithmetic and validation report, against
+references worked out by hand or taken from torch; no cluster, a few seconds in all."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from ddp.config import Config
+from ddp.models import build_model
+from profiling.simulate.calibrate import cost_model, lanes
+from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
+from profiling.simulate.validate import (
+    Run,
+    analyse,
+    best_bucket,
+    measurements,
+    ranking,
+    summary_line,
+)
+
+# - inputs --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mlp():
+    cfg = Config(model="mlp", width=64, depth=4, batch_size=16)
+    return cfg, measure_workload(cfg, world_size=2, repeats=5, warmup=2)
+
+
+def test_gradient_bytes_are_the_parameters_bytes_in_parameter_order(tiny_mlp):
+    cfg, workload = tiny_mlp
+    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)  # torch's own count
+    expected = [(n, p.numel() * p.element_size()) for n, p in model.named_parameters()]
+    assert [(g.name, g.nbytes) for g in workload.grads] == expected
+
+
+def test_ready_times_run_last_layer_first_within_backward(tiny_mlp):
+    _, workload = tiny_mlp
+    ready = {g.name: g.ready_s for g in workload.grads}
+    weights = [g.name for g in workload.grads if g.name.endswith("weight")]
+    # Backward reaches the last layer first: each layer's weight after the next one's.
+    for earlier, later in zip(weights, weights[1:], strict=False):
+        assert ready[earlier] > ready[later], (earlier, later, ready)
+    assert all(0 < g.ready_s <= workload.backward_s for g in workload.grads)
+    assert workload.forward_s > 0 and workload.optimizer_s > 0
+
+
+def test_slowest_rank_of_each_repeat_then_medians():
+    def rep(f, b, o, *ready):
+        return Repeat(f, b, o, ready)
+
+    grads = [("w", 4), ("b", 4)]
+    rank0 = [rep(1, 2, 1, 1.0, 2.0), rep(1, 5, 1, 3.0, 5.0), rep(1, 2, 1, 1.0, 2.0)]
+    rank1 = [rep(2, 2, 1, 1.5, 2.0), rep(1, 2, 1, 1.0, 2.0), rep(1, 3, 1, 2.0, 3.0)]
+    # Slowest per repeat: rank 1 (5 s), rank 0 (7 s), rank 1 (5 s).
+    w = slowest_workload(grads, [rank0, rank1])
+    assert (w.forward_s, w.backward_s, w.optimizer_s) == (1, 3, 1)  # medians of 2,1,1 / 2,5,3
+    assert [g.ready_s for g in w.grads] == [2.0, 3.0]  # of 1.5,3,2 and 2,5,3
+
+
+# - calibration arithmetic ---------------------------------------------------------------
+
+FIT = {"alpha_s": 1e-4, "beta_s_per_byte": 1e-8, "gamma": 1e-10, "free_bytes": 65536}
+
+
+def test_cost_from_the_fit_by_hand():
+    # Gloo's ring on 4 ranks, 1 MiB: 2(p-1) = 6 steps; one phase of 2(p-1)/p n = 1.5 MiB
+    # through the link, of which 64 KiB free; (p-1)/p n = 0.75 MiB added.
+    cost = cost_model(FIT, world_size=4)(2**20)
+    assert cost.latency_s == pytest.approx(6 * 1e-4 + 0.75 * 2**20 * 1e-10)
+    assert cost.wire_s == pytest.approx((1.5 * 2**20 - 65536) * 1e-8)
+    # 2 ranks, 32 KiB: one phase of 32 KiB, under the free bytes: no wire time.
+    small = cost_model(FIT, world_size=2)(32 * 2**10)
+    assert small.wire_s == 0
+    assert small.latency_s == pytest.approx(2 * 1e-4 + 16 * 2**10 * 1e-10)
+
+
+def test_lanes_from_two_all_reduces_at_once():
+    def measured(one, two):
+        return [
+            {"size_bytes": 4096, "one_s": one, "two_s": two},
+            {"size_bytes": 2**22, "one_s": 1.0, "two_s": 2.0},
+        ]
+
+    assert lanes(measured(1e-3, 1.1e-3)) == 2  # together in about the time of one
+    assert lanes(measured(1e-3, 2.0e-3)) == 1  # one after the other
+
+
+# - the validation report ------------------------------------------------------------------
+
+CAPS = (1e-6, 5.0, 10.0, 1e6)
+
+
+def variant(name, cap, times_ms):
+    return {"name": name, "sweep_value": cap, "step_times_ms": times_ms}
+
+
+def bench_record(variants):
+    """A benchmark record as `profiling.bench --json` writes one, cut to what is read."""
+    settings = {"model": "mlp", "network": {"rate": "1gbit"}, "world_size": 2, "steps_per_round": 2}
+    return {"settings": settings, "variants": variants}
+
+
+# Two rounds of two steps each. naive was built once per cap: its copies pool.
+RECORD = bench_record(
+    [variant("compute_only", None, [100, 100, 100, 100])]
+    + [variant("naive", c, [200, 210, 220, 230]) for c in CAPS]
+    + [variant("bucketed", c, [190, 190, 200, 200]) for c in CAPS]
+    + [
+        variant("overlapped", c, t)
+        for c, t in zip(
+            CAPS,
+            [
+                [150, 150, 160, 160],
+                [140, 140, 145, 145],
+                [170, 170, 180, 180],
+                [195, 195, 205, 205],
+            ],
+            strict=True,
+        )
+    ]
+)
+
+
+def run(stage, cap=None):
+    return Run("mlp", "1gbit", 2, stage, cap)
+
+
+PREDICTED = {
+    run("compute_only"): 90.0,
+    run("naive"): 236.5,  # measured 215 (median of 200,210,220,230, 4 copies): 10% off
+    **{run("bucketed", c): 195.0 * 1.1 for c in CAPS},  # measured 195: 10% off
+    run("overlapped", 1e-6): 155.0,  # measured 155: 0%
+    run("overlapped", 5.0): 150.0,  # measured 142.5: 5.263% off
+    run("overlapped", 10.0): 140.0,  # measured 175: 20% off
+    run("overlapped", 1e6): 200.0,  # measured 200: 0%
+}
+
+
+def test_measured_runs_pool_naive_and_split_rounds():
+    m = measurements([RECORD])
+    assert set(m) == set(PREDICTED)  # one naive, compute_only, one per stage and cap
+    assert m[run("naive")].median_ms == 215
+    assert m[run("naive")].round_ms == {0: 205, 1: 225}
+    assert m[run("overlapped", 5.0)].round_ms == {0: 140, 1: 145}
+
+
+def test_table_and_last_line_from_a_hand_written_bench_json(tmp_path, capsys):
+    from profiling.simulate.validate import run as validate_run
+
+    data = {
+        "command": "python -m profiling.simulate validate (by hand)",
+        "predictions": [
+            {
+                "model": r.model,
+                "rate": r.rate,
+                "world_size": r.world_size,
+                "stage": r.stage,
+                "cap_mb": r.cap_mb,
+                "predicted_ms": ms,
+            }
+            for r, ms in PREDICTED.items()
+        ],
+        "bench": [RECORD],
+    }
+    path = tmp_path / "validate.json"
+    path.write_text(json.dumps(data))
+    validate_run(argparse.Namespace(render=str(path), json=None, markdown=None))
+    lines = capsys.readouterr().out.strip().splitlines()
+    # 9 runs counted (compute_only is not): errors 10, 10 x4, 0, 5.263, 20, 0;
+    # sorted 0, 0, 5.263, 10, 10, 10, 10, 10, 20: median 10, worst 20. The best
+    # overlapped cap is 10 predicted, 5 measured: one step apart; bucketed predicts a
+    # tie (first cap, 1e-6) and measures one (1e-6): yes.
+    assert lines[-1] == (
+        "prediction error: median 10.0%, worst 20.0% over 9 runs; "
+        "best bucket within one grid step: yes"
+    )
+    row = next(ln for ln in lines if ln.startswith("mlp 1gbit x2 overlapped cap 10 "))
+    assert row.split()[-3:] == ["175.0", "6", "20.0"]  # measured, noise %, error %
+
+
+def test_best_bucket_more_than_one_grid_step_apart():
+    m = measurements([RECORD])
+    # Predict the one-bucket cap best for overlapped: 3 steps from the measured 5 MiB.
+    wrong = {**PREDICTED, run("overlapped", 1e6): 100.0}
+    checks = {b["stage"]: b for b in best_bucket(wrong, m)}
+    assert checks["overlapped"]["predicted_best_mb"] == 1e6
+    assert checks["overlapped"]["measured_best_mb"] == 5.0
+    assert checks["overlapped"]["grid_steps"] == 2 and not checks["overlapped"]["ok"]
+    assert summary_line(analyse(wrong, m)).endswith("best bucket within one grid step: no")
+
+
+def test_ranking_only_where_rounds_agree():
+    m = measurements([RECORD])
+    pairs = {(r["a"], r["b"]): r for r in ranking(PREDICTED, m)}
+    # naive 205/225 against bucketed 190/200: slower in both rounds, predicted so too.
+    key = ("mlp 1gbit x2 naive", "mlp 1gbit x2 bucketed cap 10")
+    assert pairs[key]["ok"] and pairs[key]["measured_faster"].endswith("bucketed cap 10")
+    # overlapped cap 1e6, 195/205 against bucketed 190/200: slower in both, predicted
+    # faster (200 against 214.5): ranked wrongly.
+    key = ("mlp 1gbit x2 bucketed cap 1e+06", "mlp 1gbit x2 overlapped cap 1e+06")
+    assert not pairs[key]["ok"]
+    # naive 205/225 against overlapped 1e6 195/205: 1.05 and 1.10, both > 1: counted.
+    assert ("mlp 1gbit x2 naive", "mlp 1gbit x2 overlapped cap 1e+06") in pairs
+
+
+def test_ranking_leaves_out_pairs_within_noise():
+    record = bench_record(
+        [
+            variant("naive", 1e-6, [100, 100, 125, 125]),
+            variant("bucketed", 1e-6, [110, 110, 110, 110]),
+        ]
+    )
+    m = measurements([record])
+    predicted = {run("naive"): 100.0, run("bucketed", 1e-6): 200.0}
+    # Per round 100/110 and 125/110: one each way, within the noise: no pair to rank,
+    # though the medians differ by 2%.
+    assert ranking(predicted, m) == []
+
+
+def test_not_counted_without_measurement():
+    m = measurements([bench_record([variant("naive", 1e-6, [100, 100])])])
+    a = analyse({run("naive"): 110.0, run("bucketed", 5.0): 1.0}, m)
+    assert a["runs"] == 1 and a["median_error_pct"] == pytest.approx(10.0)
+
+
+def test_inputs_use_one_thread():
+    measure_workload(Config(model="mlp", width=16, depth=2, batch_size=4), repeats=1, warmup=0)
+    assert torch.get_num_threads() == 1
+
+
+# - the Gantt charts -------------------------------------------------------------------------
+
+
+def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.gantt import CAPTIONS, draw, simulate_stages
+    from profiling.simulate.schedule import Grad, Workload, linear_cost
+
+    MiB = 2**20
+    # Three 10 MiB gradients: the stages' 25 MiB cap makes buckets [2, 1] and [0].
+    workload = Workload(
+        (Grad("w0", 10 * MiB, 3.0), Grad("w1", 10 * MiB, 2.0), Grad("w2", 10 * MiB, 1.0)),
+        forward_s=1.0,
+        backward_s=3.0,
+        optimizer_s=1.0,
+    )
+    cost = linear_cost(0.0, 1.0 / (10 * MiB))  # 1 s per 10 MiB
+    calibration = Calibration("1gbit", 2, cost, 1, {"mlp": workload}, {"mlp": 0.0})
+    steps = simulate_stages(workload, calibration)
+    comm = {stage: [s.label for s in step.lane("comm")] for stage, step in steps.items()}
+    assert comm["naive"] == ["w0", "w1", "w2"]
+    assert comm["bucketed"] == ["bucket 0", "w0"] == comm["overlapped"]
+    # naive and bucketed: 1 + 3 + 3 + 1; overlapped: bucket 0 (20 MiB) 3-5 after w1 at
+    # backward's 2 s, w0 5-6, optimizer 6-7; skip_sync: 3 more micro-batches of 4 s first.
+    assert [steps[s].step_s for s in ("naive", "bucketed", "overlapped", "skip_sync")] == [
+        8.0, 8.0, 7.0, 19.0,
+    ]  # fmt: skip
+    path = tmp_path / "gantt.svg"
+    draw(steps["overlapped"], CAPTIONS["overlapped"], path)
+    assert CAPTIONS["overlapped"] in path.read_text()
