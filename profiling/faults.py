@@ -1,7 +1,7 @@
 """Fault injection: kill a random worker at a random phase, check that torchrun's restart
 resumes from the last checkpoint to the same final parameters, and count what it cost.
 
-    python -m profiling.faults --trials 8 --seed 0 --out docs/results/faults.md
+    python -m profiling.faults --trials 200 --seed 1 --out docs/results/faults.md
 
 Each trial runs the command below with one worker told (DDP_STAGES_FAULT, read by
 `ddp/faults.py`) to SIGKILL itself at a drawn step and phase: forward, backward with
