@@ -121,3 +121,17 @@ def test_bounds():
     assert perfect_overlap_bound(TWO, layout, COST) == pytest.approx(7.0)
     # With the measured ready times it cannot start before 3: the 8 s schedule above.
     assert achievable_bound(TWO, layout, COST) == pytest.approx(8.0)
+
+
+def test_a_collective_launched_while_another_flies_pays_the_busy_launch():
+    both_at_once = Workload((Grad("a", 100, 1.0), Grad("b", 100, 1.0)), 0.0, 1.0, 0.0)
+    latency_only = lambda nbytes: Cost(1.0, 0.0)  # noqa: E731
+    # One lane: "a" 1-2; "b", launched at 1 while "a" flies, waits, then 1 + 0.5 s: 2-3.5.
+    busy = StageSchedule(overlap=True, busy_launch_s=0.5)
+    step = simulate(both_at_once, [[0], [1]], latency_only, busy)
+    assert bars(step, "comm") == [("a", 1, 2), ("b", 2, 3.5)]
+    # Ready apart, nothing flies at "b"'s launch: no extra.
+    apart = Workload((Grad("a", 100, 1.0), Grad("b", 100, 3.0)), 0.0, 3.0, 0.0)
+    assert bars(simulate(apart, [[0], [1]], latency_only, busy), "comm") == [
+        ("a", 1, 2), ("b", 3, 4),
+    ]  # fmt: skip

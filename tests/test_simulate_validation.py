@@ -11,7 +11,7 @@ import torch
 
 from ddp.config import Config
 from ddp.models import build_model
-from profiling.simulate.calibrate import cost_model, lanes
+from profiling.simulate.calibrate import buffer_bytes, busy_launch_s, cost_model, lanes
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
 from profiling.simulate.validate import (
     Run,
@@ -88,6 +88,16 @@ def test_lanes_from_two_all_reduces_at_once():
 
     assert lanes(measured(1e-3, 1.1e-3)) == 2  # together in about the time of one
     assert lanes(measured(1e-3, 2.0e-3)) == 1  # one after the other
+    # One lane, and two at once take 5 ms against 1 ms each: the second pays 3 ms more.
+    assert busy_launch_s(measured(1e-3, 5e-3)) == pytest.approx(3e-3)
+    assert busy_launch_s(measured(1e-3, 1.1e-3)) == 0  # two lanes: no queue to pay for
+
+
+def test_buffer_bytes_per_dtype_by_hand():
+    # The CNN's five BatchNorms over 32, 32, 64, 64, 128 channels: running mean and
+    # variance in float32, 2 x 320 x 4 bytes; a step count each in int64, 5 x 8 bytes.
+    assert sorted(buffer_bytes(Config(model="cnn"))) == [40, 2560]
+    assert buffer_bytes(Config(model="mlp")) == []
 
 
 # - the validation report ------------------------------------------------------------------

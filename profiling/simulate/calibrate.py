@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp.config import Config
@@ -94,6 +94,8 @@ class Calibration:
     lanes: int
     workloads: dict[str, Workload]  # model key -> its compute
     slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
+    busy_launch_s: float = 0.0  # what a collective launched while another flies adds
+    buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
@@ -104,6 +106,8 @@ class Calibration:
             lanes=data["lanes"],
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
+            busy_launch_s=data.get("busy_launch_s", 0.0),
+            buffer_bytes={k: m.get("buffer_bytes", []) for k, m in data["models"].items()},
         )
 
 
@@ -111,6 +115,28 @@ def lanes(concurrency: list[dict]) -> int:
     """2 if two latency-bound all-reduces launched together overlap, else 1."""
     small = min(concurrency, key=lambda c: c["size_bytes"])
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
+
+
+def busy_launch_s(concurrency: list[dict]) -> float:
+    """With one lane, what the second of two small all-reduces launched together costs
+    beyond waiting for the first: two at once minus two one after the other."""
+    if lanes(concurrency) > 1:
+        return 0.0
+    small = min(concurrency, key=lambda c: c["size_bytes"])
+    return max(0.0, small["two_s"] - 2 * small["one_s"])
+
+
+def buffer_bytes(cfg: Config) -> list[int]:
+    """Bytes of the model's buffers, one entry per dtype: what a stage with
+    broadcast_buffers (buffers and later, torch's default) broadcasts before each
+    synchronised forward, one broadcast per dtype (`ddp.dist.broadcast_buffers`)."""
+    from ddp.models import build_model
+
+    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+    by_dtype: dict = {}
+    for b in model.buffers():
+        by_dtype[b.dtype] = by_dtype.get(b.dtype, 0) + b.numel() * b.element_size()
+    return list(by_dtype.values())
 
 
 # - the driver ------------------------------------------------------------------------
@@ -155,9 +181,14 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "world_size": world_size,
         "fit": fits[ALGORITHM],
         "lanes": lanes(result["concurrency"]),
+        "busy_launch_s": busy_launch_s(result["concurrency"]),
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
+        "models": {
+            key: {**m, "buffer_bytes": buffer_bytes(configs[key])}
+            for key, m in result["models"].items()
+        },
     }
 
 

@@ -21,6 +21,9 @@ What a stage does with them (`StageSchedule`):
   order on every rank), into a queue served one collective at a time; backward goes on
   at 1 / (1 + slowdown) of its speed while a collective is in flight. The step waits
   for the last collective, then runs the optimizer;
+- `busy_launch_s`: a collective launched while another is in flight or waiting pays
+  this much more latency (measured: on two shared cores, two small all-reduces at once
+  take far longer than one after the other);
 - `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
   and collectives in their wire phase at the same time share the link equally;
 - `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward with
@@ -113,6 +116,10 @@ class StageSchedule:
     overlap: bool  # launch buckets during backward (overlapped and later) or after it
     lanes: int = 1  # round-robin process groups
     accumulation_steps: int = 1  # micro-batches per step, all but the last under no_sync
+    # Extra latency of a collective launched while another is in flight or waiting: on
+    # two shared cores, Gloo's second worker thread takes it up at once, and two small
+    # all-reduces at once were measured to take far longer than two one after the other.
+    busy_launch_s: float = 0.0
 
 
 # --8<-- [start:simulate]
@@ -134,7 +141,7 @@ def simulate(
         t = _compute(step, t, "backward", workload.backward_s, note=f" (no_sync {k + 1})")
     t = _compute(step, t, "forward", workload.forward_s)
     if schedule.overlap:
-        t = _overlapped_backward(step, t, workload, buckets, cost, schedule.lanes, slowdown)
+        t = _overlapped_backward(step, t, workload, buckets, cost, schedule, slowdown)
     else:
         t = _compute(step, t, "backward", workload.backward_s)
         for index, members in enumerate(buckets):  # blocking, one after the other
@@ -178,14 +185,14 @@ def _overlapped_backward(
     workload: Workload,
     buckets: Sequence[Sequence[int]],
     cost: CostModel,
-    lanes: int,
+    schedule: StageSchedule,
     slowdown: float,
 ) -> float:
     """Backward with buckets launched as they fill; returns when the last collective
     ends (or backward, if later). An event loop: at each turn, find the next thing to
     happen (a gradient ready, backward's end, a collective's latency or wire done),
     move every clock to it, and act on it."""
-    grads = workload.grads
+    grads, lanes = workload.grads, schedule.lanes
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     pending = [len(members) for members in buckets]  # gradients still to come, per bucket
     by_ready = sorted(range(len(grads)), key=lambda i: grads[i].ready_s)
@@ -193,18 +200,22 @@ def _overlapped_backward(
     next_launch = 0  # buckets go out in bucket order
     queues: list[list[int]] = [[] for _ in range(lanes)]  # launched, waiting for the lane
     flying: list[_InFlight] = []
+    busy_launched: set[int] = set()  # buckets launched while another was in flight
     t, done_s = start_s, 0.0  # wall clock; backward's compute done, in uncontended seconds
     backward_end = None
     while True:
         # Launch every bucket that is full and next in order; start idle lanes.
         while next_launch < len(buckets) and pending[next_launch] == 0:
+            if flying or any(queues):
+                busy_launched.add(next_launch)
             queues[next_launch % lanes].append(next_launch)
             next_launch += 1
         for lane, queue in enumerate(queues):
             if queue and not any(f.lane == lane for f in flying):
                 index = queue.pop(0)
                 c = cost(sum(grads[i].nbytes for i in buckets[index]))
-                flying.append(_InFlight(index, lane, t, c.latency_s, c.wire_s))
+                latency_s = c.latency_s + (schedule.busy_launch_s if index in busy_launched else 0)
+                flying.append(_InFlight(index, lane, t, latency_s, c.wire_s))
         if backward_end is not None and not flying and next_launch == len(buckets):
             return t
         # Rates: backward slows while anything is in flight; wires share the link.

@@ -65,6 +65,7 @@ STAGES = ("naive", "bucketed", "overlapped", "drop_in")
 BUCKETED_STAGES = STAGES[1:]
 FLOOR = "compute_only"
 BENCH_ROUNDS, BENCH_STEPS, BENCH_WARMUP = 7, 3, 2
+TIE_PCT = 1.0  # two predicted steps this close: the model does not tell them apart
 
 
 @dataclass(frozen=True, order=True)
@@ -105,22 +106,24 @@ def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]
 
 # --8<-- [start:layout]
 def layout(
-    stage: str, workload: Workload, cap_mb: float | None, lanes: int = 1
+    stage: str, workload: Workload, cap_mb: float | None, lanes: int = 1, busy_launch_s=0.0
 ) -> tuple[list[list[int]], StageSchedule]:
-    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload."""
+    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload; `lanes` and
+    `busy_launch_s` are the calibration's, for the stages that launch asynchronously."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
+    asynchronous = StageSchedule(overlap=True, lanes=lanes, busy_launch_s=busy_launch_s)
     if stage == "naive":
         return per_parameter(workload), StageSchedule(overlap=False)
     if stage == "bucketed":
         return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False)
     if stage == "overlapped":
-        return uniform_buckets(workload, cap_mb), StageSchedule(overlap=True, lanes=lanes)
+        return uniform_buckets(workload, cap_mb), asynchronous
     if stage == "drop_in":
         # Rebuilt in ready order; an explicit cap means no smaller first bucket.
         buckets = uniform_buckets(workload, cap_mb, first_bucket_cap_mb=None, ready_order=True)
-        return buckets, StageSchedule(overlap=True, lanes=lanes)
+        return buckets, asynchronous
     raise ValueError(f"no model of stage {stage!r}; pick one of {STAGES}")
 
 
@@ -129,12 +132,22 @@ def layout(
 
 def predict(run: Run, calibration: Calibration) -> dict:
     """The simulated step of `run` under its (rate, world size)'s calibration."""
+    import dataclasses
+
     from profiling.simulate.schedule import simulate
 
     workload = calibration.workloads[run.model]
     if run.stage == FLOOR:
         return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
-    buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration.lanes)
+    if run.stage == "drop_in":
+        # broadcast_buffers (torch's default): rank 0's buffers before each forward, one
+        # broadcast per dtype, costed as an all-reduce of as many bytes (both are a few
+        # message rounds at these sizes). The CNN's BatchNorm has two; the MLP none.
+        broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[run.model])
+        workload = dataclasses.replace(workload, forward_s=workload.forward_s + broadcast_s)
+    buckets, schedule = layout(
+        run.stage, workload, run.cap_mb, calibration.lanes, calibration.busy_launch_s
+    )
     step = simulate(workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model])
     return {
         "predicted_ms": step.step_s * 1e3,
@@ -285,6 +298,9 @@ def ranking(predicted: dict[Run, float], measured: dict[Run, Measured]) -> list[
                     "ratio_max": max(ratios),
                     "measured_faster": faster_measured.label,
                     "predicted_faster": faster_predicted.label,
+                    # How far apart the model puts them: a pair it predicts within
+                    # TIE_PCT is one it has nothing to tell apart (a term it leaves out).
+                    "predicted_gap_pct": abs(predicted[a] / predicted[b] - 1) * 100,
                     "ok": faster_measured == faster_predicted,
                 }
             )
@@ -352,9 +368,12 @@ def summary_line(analysis: dict) -> str:
 def ranking_line(analysis: dict) -> str:
     ranks = analysis["ranking"]
     agree = sum(r["ok"] for r in ranks)
+    ties = sum(not r["ok"] and r["predicted_gap_pct"] < TIE_PCT for r in ranks)
     return (
         f"stages ranked as measured: {'yes' if analysis['ranking_ok'] else 'no'} "
-        f"({agree} of {len(ranks)} pairs that differ by more than the noise)"
+        f"({agree} of {len(ranks)} pairs that differ by more than the noise"
+        + (f"; {ties} of the others predicted within {TIE_PCT:g}% of each other" if ties else "")
+        + ")"
     )
 
 
@@ -477,7 +496,9 @@ def markdown(data: dict) -> str:
                         f"{r['a']} / {r['b']}",
                         f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}",
                         r["measured_faster"],
-                        r["predicted_faster"] + ("" if r["ok"] else " (wrong)"),
+                        r["predicted_faster"]
+                        + ("" if r["ok"] else " (wrong)")
+                        + (f", by {r['predicted_gap_pct']:.1f}%"),
                     ]
                     for r in a["ranking"]
                 ],
