@@ -425,7 +425,8 @@ def markdown(data: dict) -> str:
                     f"{f['alpha_s'] * 1e6:.0f} / {1 / f['beta_s_per_byte'] / 1e6:.0f} / "
                     f"{f['gamma'] * 1e9:.2f} / {f['free_bytes'] // 1024}",
                     f"{f['held_out']['median_pct']:.0f}%",
-                    f"{small['one_s'] * 1e3:.2f} / {small['two_s'] * 1e3:.2f} → {c['lanes']}",
+                    f"{small['one_s'] * 1e3:.2f} / {small['two_s'] * 1e3:.2f} → "
+                    f"{c['lanes']} / {c.get('busy_launch_s', 0) * 1e3:.2f}",
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
                     f"{m['slowdown']:+.2f}",
@@ -439,7 +440,7 @@ def markdown(data: dict) -> str:
                 "model",
                 "α µs / 1/β MB/s / γ ns/B / free KiB",
                 "held-out error",
-                "one / two 4 KiB all-reduces ms → lanes",
+                "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "forward / backward / optimizer ms",
                 "slowdown",
                 "load",
