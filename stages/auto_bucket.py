@@ -12,24 +12,33 @@ with those costs, for two kinds of layout: every candidate uniform cap, as torch
 cut, and the model's own cut, where each bucket gets the size that makes the last
 all-reduce end first (a dynamic program over where to cut the ready order,
 `ddp/bucket_cuts.py`; torch takes one cap for every bucket, and a list of caps per
-bucket was proposed upstream but not merged). It rebuilds the buckets with the cut if
-that is predicted to end before the best uniform cap, and with that cap otherwise.
+bucket was proposed upstream but not merged).
+
+The model proposes; a measurement decides. The model leaves out what costs most on a
+machine whose cores both compute and communicate (each bucket's launch, and backward
+slowed while an all-reduce runs), so its best is a short list, not an answer: the cut,
+the best uniform cap and its two neighbours, and the default cap. The next steps try
+each in turn (`TRIAL_ROUNDS` rounds; in each, every layout for one step to settle and
+one timed, from forward to the next synchronised forward), and the buckets are rebuilt,
+for good, with the layout whose slowest rank's median step was shortest. Horovod's
+autotuner also measures rather than trusts a model.
 
     model = AutoBucketDDP(model, bucket_cap_mb="auto")
-    ...  # after the third step: model.auto_bucket_choice["bucket_sizes_bytes"]
+    ...  # after a few dozen steps: model.auto_bucket_choice["bucket_sizes_bytes"]
 
     python -m profiling.bench --variants drop_in_auto,torch_ddp_default --network 1gbit
 
 The model is simple on purpose: a collective starts when its bucket is full and the
-previous one is done, and takes `latency + bytes x seconds-per-byte`. It ignores that
-compute slows down while communication runs. Cost: a few all-reduces once, and the
-first steps run with the default cap.
+previous one is done, and takes `latency + bytes x seconds-per-byte`. Cost: a few
+all-reduces once; the first steps run with the default cap, and up to
+2 x TRIAL_ROUNDS x 5 steps with layouts on trial.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,6 +50,8 @@ from stages.join import JoinDDP
 
 CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6: one bucket
 NEAR_TIE = 0.01  # layouts predicted within 1% of the best are ties: the fewest buckets win
+TRIAL_ROUNDS = 5  # rounds of trial steps: every layout on trial, one timed step each
+DEFAULT_CAP_MB = 25.0  # torch's bucket_cap_mb=None
 
 
 # --8<-- [start:construction]
@@ -59,12 +70,17 @@ class AutoBucketDDP(JoinDDP):
                 "bucket_cap_mb='auto' rebuilds buckets in the order gradients become ready, "
                 "which find_unused_parameters=True allows to change every step"
             )
-        super().__init__(module, bucket_cap_mb=25.0 if auto else bucket_cap_mb, **options)
+        super().__init__(module, bucket_cap_mb=DEFAULT_CAP_MB if auto else bucket_cap_mb, **options)
         self.auto_bucket = auto
         self._ready_s: dict[int, float] = {}  # status row position -> seconds since first ready
         self._first_ready_s = 0.0  # perf_counter() at the first gradient of that backward
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
         self._cut_sizes: list[int] | None = None  # the model's buckets, in parameters
+        self._order: list[int] = []  # the replayed ready order, the same on every rank
+        self._trials: list[Layout] = []  # on trial, in turn; empty once decided
+        self._trial_step = 0  # synchronised forwards since the trials began
+        self._trial_seconds: list[list[float]] = []  # per layout on trial, its timed steps
+        self._step_start = 0.0  # perf_counter() at this synchronised forward
 
     # --8<-- [end:construction]
 
@@ -74,6 +90,13 @@ class AutoBucketDDP(JoinDDP):
         # After the second synchronised backward (shadowed ones count: Join), on every rank.
         if self.auto_bucket and self._synced_backwards >= 2 and self.auto_bucket_choice is None:
             self._choose_bucket_cap()
+        if self._trials:
+            self._next_trial()
+
+    @property
+    def auto_bucket_pending(self) -> bool:
+        """Whether bucket_cap_mb="auto" has yet to settle on its layout."""
+        return self.auto_bucket and (self.auto_bucket_choice is None or bool(self._trials))
 
     def _choose_bucket_cap(self) -> None:
         n = len(self.named_trainable)
@@ -84,7 +107,7 @@ class AutoBucketDDP(JoinDDP):
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
         ready_s, (latency_s, s_per_byte) = measured[:n].tolist(), measured[n:].tolist()
         order = sorted(range(n), key=lambda k: ready_s[k])
-        self.auto_bucket_choice, self._cut_sizes = choose_layout(
+        self.auto_bucket_choice, _ = choose_layout(
             [self.named_trainable[k] for k in order],
             [ready_s[k] for k in order],
             latency_s,
@@ -92,14 +115,63 @@ class AutoBucketDDP(JoinDDP):
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             sparse=self._sparse,
         )
-        cap = self.auto_bucket_choice["bucket_cap_mb"]
-        # The replayed order: the same everywhere.
-        self._rebuild_buckets(order, cap, min(cap, self.first_bucket_cap_mb or cap))
+        self._order = order  # the replayed order: the same everywhere
+        self._trials = trial_layouts(self.auto_bucket_choice, self.first_bucket_cap_mb)
+        self._trial_seconds = [[] for _ in self._trials]
+        self._trial_step = 0
+
+    def _build(self, layout: Layout) -> None:
+        """Rebuild the buckets as `layout`, in the replayed ready order (every rank)."""
+        self._cut_sizes = layout.cut_sizes
+        cap, first = layout.bucket_cap_mb, layout.first_bucket_cap_mb
+        self._rebuild_buckets(self._order, cap, min(cap, first or cap))
+
+    def _next_trial(self) -> None:
+        """At each synchronised forward while trials run: time the step that just ended
+        if it was a timed one, then build the next layout on trial, or, after the last
+        round, the one measured fastest."""
+        now = self._trial_clock()
+        k, step = divmod(self._trial_step, 2)  # step 0: settle after the rebuild; 1: timed
+        if self._trial_step > 0 and step == 0:  # the step since the last forward was timed
+            self._trial_seconds[(k - 1) % len(self._trials)].append(now - self._step_start)
+        if k == TRIAL_ROUNDS * len(self._trials):
+            self._decide()
+            return
+        if step == 0:
+            self._build(self._trials[k % len(self._trials)])
+        self._trial_step += 1
+        self._step_start = self._trial_clock()
+
+    def _trial_clock(self) -> float:
+        """Seconds, for timing trial steps (a test replaces it to make one layout fast)."""
+        return time.perf_counter()
+
+    def _decide(self) -> None:
+        # The slowest rank's median per layout, so that every rank decides alike.
+        medians = torch.tensor(
+            [statistics.median(s) for s in self._trial_seconds], dtype=torch.float64
+        )
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
+        best = int(torch.argmin(medians).item())
+        winner = self._trials[best]
+        self._build(winner)
+        self.auto_bucket_choice.update(
+            layout=winner.kind,
+            bucket_cap_mb=winner.bucket_cap_mb,
+            bucket_sizes_bytes=[
+                sum(p.numel() * p.element_size() for p in b.params) for b in self.buckets
+            ],
+            trials=[
+                {"layout": t.name, "measured_step_s": m}
+                for t, m in zip(self._trials, medians.tolist(), strict=True)
+            ],
+        )
+        self._trials = []
 
     def _rebuilt_layout(
         self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
     ) -> list[Members]:
-        if self._cut_sizes is None:  # before the choice, or the uniform cap won
+        if self._cut_sizes is None:  # before the choice, or a uniform cap
             return super()._rebuilt_layout(named, bucket_cap_mb, first_bucket_cap_mb)
         plan, start = [], 0
         for size in self._cut_sizes:  # the model's buckets: runs of the ready order
@@ -140,6 +212,45 @@ class AutoBucketDDP(JoinDDP):
     # --8<-- [end:backward]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A layout on trial: a uniform cap (and first-bucket cap), or the model's cut."""
+
+    name: str  # what the record calls it: "cut" or "uniform <cap>"
+    bucket_cap_mb: float
+    first_bucket_cap_mb: float | None
+    cut_sizes: list[int] | None = None  # the cut's bucket lengths, in parameters
+
+    @property
+    def kind(self) -> str:
+        return "cut" if self.cut_sizes is not None else "uniform"
+
+
+# --8<-- [start:trials]
+def trial_layouts(choice: dict, first_bucket_cap_mb: float | None) -> list[Layout]:
+    """What the steps after the model's choice try, in this order: the model's pick
+    (`choose_layout`), the other of the cut and the best uniform cap, that cap's two
+    neighbours in CANDIDATES_MB, and the default cap (torch's 25 MiB, with the first
+    bucket's cap); each once."""
+    uniform = lambda cap: Layout(f"uniform {cap:g}", cap, first_bucket_cap_mb)  # noqa: E731
+    cut = Layout("cut", choice["cut_bucket_cap_mb"], None, choice["cut_sizes"])
+    best = CANDIDATES_MB.index(choice["uniform_bucket_cap_mb"])
+    picked, other = (cut, uniform(CANDIDATES_MB[best]))
+    if choice["layout"] != "cut":
+        picked, other = other, picked
+    neighbours = [
+        uniform(CANDIDATES_MB[k]) for k in (best - 1, best + 1) if 0 <= k < len(CANDIDATES_MB)
+    ]
+    layouts = [picked, other, *neighbours, uniform(DEFAULT_CAP_MB)]
+    unique: dict[str, Layout] = {}
+    for layout in layouts:
+        unique.setdefault(layout.name, layout)
+    return list(unique.values())
+
+
+# --8<-- [end:trials]
+
+
 # --8<-- [start:choice]
 def choose_layout(
     named: Members,
@@ -177,11 +288,12 @@ def choose_layout(
     use_cut = cut_s < uniform_s * (1 - ROUNDING) or (
         cut_s <= uniform_s * (1 + ROUNDING) and len(cut.sizes) < len(uniform[uniform_cap])
     )
+    # The smallest candidate cap that every bucket of several gradients fits under: what
+    # bucket_cap_mb still promises of the cut.
+    several = [b for b, m in zip(bucket_bytes(plan), plan, strict=True) if len(m) > 1]
+    cut_cap = min(c for c in CANDIDATES_MB if all(b <= c * 2**20 for b in several))
     if use_cut:
-        # The smallest candidate cap that every bucket of several gradients fits under:
-        # what bucket_cap_mb still promises of this layout.
-        several = [b for b, m in zip(bucket_bytes(plan), plan, strict=True) if len(m) > 1]
-        cap = min(c for c in CANDIDATES_MB if all(b <= c * 2**20 for b in several))
+        cap = cut_cap
     else:
         plan, cap = uniform[uniform_cap], uniform_cap
     record = {
@@ -195,6 +307,8 @@ def choose_layout(
         "predicted_uniform_s": predicted[uniform_cap],
         "predicted_by_cap_s": predicted,
         "bucket_sizes_bytes": bucket_bytes(plan),  # the layout built, in launch order
+        "cut_sizes": cut.sizes,  # the model's cut, in parameters per bucket
+        "cut_bucket_cap_mb": cut_cap,
     }
     return record, cut.sizes if use_cut else None
 

@@ -12,12 +12,14 @@ from torch import nn
 
 import stages.auto_bucket
 from stages import STAGES
-from stages.auto_bucket import CANDIDATES_MB, choose_layout
+from stages.auto_bucket import CANDIDATES_MB, TRIAL_ROUNDS, Layout, choose_layout, trial_layouts
 from tests.adapters import build_wrapper, stages_from
 from tests.compare import assert_same_steps, ours_and_torchs, run_checked, sgd_steps, tolerance
 from tests.models import Layers, Wide
 
-AUTO_STEPS = 5
+# Two steps before the choice, then two per layout on trial per round (at most 5
+# layouts), then one with the layout decided.
+AUTO_STEPS = 2 + 2 * TRIAL_ROUNDS * 5 + 1
 
 
 def train_auto(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
@@ -56,6 +58,12 @@ def test_auto_bucket_cap_agreed_and_as_torch(pool, stage: str) -> None:
     built = [sum(params[n.removeprefix("module.")].numel() * 4 for n in names) for names in layout0]
     assert choice["bucket_sizes_bytes"] == built, (choice, layout0)
     assert choice["layout"] in ("cut", "uniform"), choice
+    # The layout built is the one measured fastest on trial (the slowest rank's median).
+    trials = choice["trials"]
+    assert 3 <= len(trials) <= 5, trials
+    fastest = min(trials, key=lambda t: t["measured_step_s"])["layout"]
+    assert fastest in ("cut", f"uniform {choice['bucket_cap_mb']:g}"), (fastest, choice)
+    assert (fastest == "cut") == (choice["layout"] == "cut"), (fastest, choice)
     for rank, ((ours, choices, layout), (torchs, _, _)) in enumerate(runs):
         # Every rank computes the choice from the same (all-reduced) timings, so the
         # whole record, measured figures included, is the same.
@@ -139,16 +147,14 @@ FORCED_CUT = [3, 5]  # Wide's 8 gradients, in ready order: a layout no uniform c
 
 
 def train_forced_cut(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
-    """train_auto, with the choice replaced by FORCED_CUT: the rebuild must build it."""
-    real = stages.auto_bucket.choose_layout
-    stages.auto_bucket.choose_layout = lambda *_, **__: (
-        {"layout": "cut", "bucket_cap_mb": 1e6},
-        FORCED_CUT,
-    )
+    """train_auto, with the layouts on trial replaced by FORCED_CUT alone: the rebuild
+    must build it."""
+    real = stages.auto_bucket.trial_layouts
+    stages.auto_bucket.trial_layouts = lambda *_, **__: [Layout("cut", 1e6, None, FORCED_CUT)]
     try:
         return train_auto(rank, group, wrapper)
     finally:
-        stages.auto_bucket.choose_layout = real
+        stages.auto_bucket.trial_layouts = real
 
 
 @pytest.mark.parametrize("stage", stages_from("auto_bucket"))
@@ -160,3 +166,65 @@ def test_auto_bucket_builds_the_cut_and_trains_as_torch(pool, stage: str) -> Non
         layers = [int(n.split(".")[-2]) for names in layout for n in names]
         assert layers == sorted(layers, reverse=True), f"rank {rank}: {layout}"
         assert_same_steps(ours, torchs, f"rank {rank}", tolerance(2))
+
+
+def test_trial_layouts_model_pick_first_then_the_others_once() -> None:
+    # The model picked the uniform 1 MiB cap: then the cut, 1's neighbours 0.5 and 2,
+    # and the default 25 MiB (with the 1 MiB first bucket).
+    choice = {"layout": "uniform", "uniform_bucket_cap_mb": 1.0, "cut_sizes": [3, 1],
+              "cut_bucket_cap_mb": 5.0}  # fmt: skip
+    names = [t.name for t in trial_layouts(choice, first_bucket_cap_mb=1.0)]
+    assert names == ["uniform 1", "cut", "uniform 0.5", "uniform 2", "uniform 25"]
+    cut = trial_layouts(choice, first_bucket_cap_mb=1.0)[1]
+    assert (cut.cut_sizes, cut.bucket_cap_mb, cut.kind) == ([3, 1], 5.0, "cut")
+    # The cut picked, the best uniform cap the default: four, 25 once; one bucket (the
+    # last candidate) has one neighbour.
+    choice.update(layout="cut", uniform_bucket_cap_mb=25.0)
+    names = [t.name for t in trial_layouts(choice, first_bucket_cap_mb=1.0)]
+    assert names == ["cut", "uniform 25", "uniform 10", "uniform 50"]
+    choice.update(uniform_bucket_cap_mb=1e6)
+    names = [t.name for t in trial_layouts(choice, first_bucket_cap_mb=1.0)]
+    assert names == ["cut", "uniform 1e+06", "uniform 100", "uniform 25"]
+
+
+SLOW, FAST = 1.0, 0.25  # seconds a trial step takes by the fake clock
+
+
+def train_fast_layout(rank: int, group: dist.ProcessGroup, stage: str) -> tuple:
+    """The stage, with a clock by which the layout on trial third in line (here the
+    best uniform cap's smaller neighbour) takes FAST seconds a step and every other
+    SLOW, on rank 1 only: the slowest rank's medians must decide, on both ranks."""
+    base = STAGES[stage]
+    fast = {}
+
+    class FakeClock(base):
+        def _build(self, layout):
+            self._now_on = layout.name
+            fast.setdefault("name", self._trials[2].name)
+            super()._build(layout)
+
+        def _trial_clock(self) -> float:
+            on = getattr(self, "_now_on", None)
+            self._fake = getattr(self, "_fake", 0.0) + (
+                FAST if on == fast.get("name") or rank == 0 else SLOW
+            )
+            return self._fake
+
+    torch.manual_seed(1000 * rank + 1)
+    model = Wide()
+    wrapped = FakeClock(model, process_group=group, bucket_cap_mb="auto")
+    sgd_steps(wrapped, model, rank, AUTO_STEPS, (2, 256))
+    return fast["name"], wrapped.auto_bucket_choice
+
+
+@pytest.mark.parametrize("stage", stages_from("auto_bucket"))
+def test_auto_bucket_builds_the_layout_measured_fastest(pool, stage: str) -> None:
+    for rank, (fast, choice) in enumerate(run_checked(pool, 2, train_fast_layout, stage)):
+        measured = {t["layout"]: t["measured_step_s"] for t in choice["trials"]}
+        assert measured[fast] == FAST and max(measured.values()) == SLOW, (rank, measured)
+        built = (
+            choice["layout"]
+            if choice["layout"] == "cut"
+            else f"uniform {choice['bucket_cap_mb']:g}"
+        )
+        assert built == fast, f"rank {rank} built {built}, measured fastest {fast}: {measured}"

@@ -128,6 +128,7 @@ def variant_entry(r: dict, by_name: dict[str, dict], bound: dict | None) -> dict
         "steps": len(times),
         "replicas_identical": r["replicas_identical"],
         **({"auto_bucket_choice": r["auto_bucket_choice"]} if r.get("auto_bucket_choice") else {}),
+        **({"settle_steps": r["settle_steps"]} if r.get("settle_steps") else {}),
         "step_times_ms": [t * 1e3 for t in times],
         **(
             {

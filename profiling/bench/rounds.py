@@ -84,9 +84,23 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
     if warmup_steps:
         progress.start("warm-up", warmup_steps)
     for variant in variants:
-        for micro_batches in warm[batch_key(variant.cfg)]:
+        batches = warm[batch_key(variant.cfg)]
+        for micro_batches in batches:
             seconds, _ = step(variant, micro_batches, device)
             progress.step(seconds, detail=variant.name)
+        # bucket_cap_mb="auto" tries layouts for a few dozen steps: warm-up too, so that no
+        # timed step runs a layout on trial. Every rank runs as many (the trials count
+        # synchronised steps alike everywhere).
+        extra = 0
+        while getattr(variant.wrapped, "auto_bucket_pending", False):
+            if not batches:
+                raise SystemExit(
+                    f"{variant.name}: bucket_cap_mb='auto' tries layouts in its first steps; "
+                    "--warmup-steps 0 would time them (use at least 1)"
+                )
+            step(variant, batches[extra % len(batches)], device)
+            extra += 1
+        variant.settle_steps = extra
     if warmup_steps:
         progress.finish()
     del warm
@@ -142,6 +156,7 @@ def benchmark(opts: BenchOptions, cfg: Config, device: torch.device) -> dict:
                 "auto_bucket_choice": _json_safe(
                     getattr(variant.wrapped, "auto_bucket_choice", None)
                 ),
+                "settle_steps": variant.settle_steps,
                 **(
                     {
                         "forward_s": slowest(variant.forward_s),

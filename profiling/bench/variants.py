@@ -38,6 +38,7 @@ class Variant:
     buckets: list[Bucket] = field(default_factory=list)  # communication_alone's buffers
     step_times_s: list[float] = field(default_factory=list)  # this rank's timed steps
     step_rounds: list[int] = field(default_factory=list)  # the round of each timed step
+    settle_steps: int = 0  # bucket_cap_mb="auto": warm-up steps added while it tried layouts
     # compute_only only: the bound's F and O in each timed step, and when each gradient
     # became ready (seconds after the step's start, in `grad_names` order), from `marks`
     # and `ready_marks`, which its hooks fill in during a step.
