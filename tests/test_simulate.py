@@ -135,3 +135,24 @@ def test_a_collective_launched_while_another_flies_pays_the_busy_launch():
     assert bars(simulate(apart, [[0], [1]], latency_only, busy), "comm") == [
         ("a", 1, 2), ("b", 3, 4),
     ]  # fmt: skip
+
+
+def test_stage_copies_in_and_out_by_hand():
+    # Two 100-byte gradients ready 10 and 20 ms into a 20 ms backward, one bucket each;
+    # every all-reduce 5 ms; a copy 0.01 ms per byte (1 ms a gradient).
+    # overlapped: the hook's copy in makes them ready at 11 and 22 (backward ends at
+    # 22); all-reduces 11-16 and 22-27; copies out after backward, each once its
+    # all-reduce is done: 22-23, then 27-28.
+    # bucketed: backward to 20, then copy in, all-reduce, copy out per bucket:
+    # 20-21-26-27, 27-28-33-34. naive copies out only (its in-place divide): 32.
+    work = Workload((Grad("a", 100, 0.010), Grad("b", 100, 0.020)), 0.0, 0.020, 0.0)
+    cost = linear_cost(0.005, 0.0)
+    copies = {"copy_in_s_per_byte": 1e-5, "copy_out_s_per_byte": 1e-5}
+    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(overlap=True, **copies))
+    assert overlapped.step_s == pytest.approx(0.028)
+    comm = [t for s in overlapped.lane("comm") for t in (s.start_s, s.end_s)]
+    assert comm == pytest.approx([0.011, 0.016, 0.022, 0.027])
+    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(overlap=False, **copies))
+    assert bucketed.step_s == pytest.approx(0.034)
+    naive = simulate(work, [[0], [1]], cost, StageSchedule(False, copy_out_s_per_byte=1e-5))
+    assert naive.step_s == pytest.approx(0.032)

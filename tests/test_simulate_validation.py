@@ -273,3 +273,35 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
     path = tmp_path / "gantt.svg"
     draw(steps["overlapped"], CAPTIONS["overlapped"], path)
     assert CAPTIONS["overlapped"] in path.read_text()
+
+
+def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
+    # Every collective 1 ms whatever its size; two gradients ready 10 and 20 ms into a
+    # 20 ms backward; forward 10, optimizer 5; one bucket (cap 1e6). overlapped:
+    # 10 + 20, the bucket 20-21 ms after forward, then the optimizer: 36 ms. drop_in
+    # also broadcasts its one buffer dtype before forward (+1) and all-reduces the
+    # status rows after the bucket (+1): 38 ms.
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.schedule import Grad, Workload, linear_cost
+    from profiling.simulate.validate import predict
+
+    workload = Workload(
+        (Grad("a", 400, 0.010), Grad("b", 400, 0.020)),
+        forward_s=0.010,
+        backward_s=0.020,
+        optimizer_s=0.005,
+    )
+    calibration = Calibration(
+        rate="1gbit",
+        world_size=2,
+        cost=linear_cost(0.001, 0.0),
+        lanes=1,
+        workloads={"m": workload},
+        slowdowns={"m": 0.0},
+        buffer_bytes={"m": [8]},
+    )
+    step_ms = {
+        stage: predict(Run("m", "1gbit", 2, stage, 1e6), calibration)["predicted_ms"]
+        for stage in ("overlapped", "drop_in")
+    }
+    assert step_ms == pytest.approx({"overlapped": 36.0, "drop_in": 38.0})

@@ -19,7 +19,10 @@ running `worker` (this module under torchrun), which measures, in this order:
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
    longer than it: `slowdown` = backward with / backward without - 1, how much longer
-   compute takes while communication runs on the same cores.
+   compute takes while communication runs on the same cores;
+4. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
+   out=bucket_view)`, what bucketed and overlapped do to each gradient before its
+   all-reduce (and a copy of the same size after it), on every rank at once.
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -59,6 +62,8 @@ TWO_LANES_BELOW = 1.5  # two small all-reduces at once take < 1.5x one: they ove
 REPEATS = 15  # timed compute repeats per model, each way (alone, with communication)
 WARMUP = 3
 COMM_COVER = 2.0  # the all-reduce in flight is sized to last this many backwards
+COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
+COPY_REPEATS = 20
 MAX_COMM_BYTES = 256 * 2**20
 ENV = "SIMULATE_CALIBRATION"
 
@@ -95,6 +100,7 @@ class Calibration:
     workloads: dict[str, Workload]  # model key -> its compute
     slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
     busy_launch_s: float = 0.0  # what a collective launched while another flies adds
+    copy_s_per_byte: float = 0.0  # a stage's pass over a gradient (into or out of a bucket)
     buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
 
     @classmethod
@@ -107,6 +113,7 @@ class Calibration:
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
             busy_launch_s=data.get("busy_launch_s", 0.0),
+            copy_s_per_byte=data.get("copy_s_per_byte", 0.0),
             buffer_bytes={k: m.get("buffer_bytes", []) for k, m in data["models"].items()},
         )
 
@@ -215,6 +222,7 @@ def worker(settings: dict) -> None:
         result = {
             "sweep": sweep_result,
             "concurrency": [_concurrency(n) for n in CONCURRENCY_BYTES],
+            "copy_s_per_byte": _copy_s_per_byte(),
             "models": {
                 key: _model(Config(**cfg), largest_s / largest)
                 for key, cfg in settings["configs"].items()
@@ -254,6 +262,24 @@ def _concurrency(nbytes: int) -> dict:
     two_s = statistics.median(slowest_seconds(two, CONCURRENCY_REPEATS))
     _say(f"{nbytes} B: one all-reduce {one_s * 1e3:.2f} ms, two at once {two_s * 1e3:.2f} ms")
     return {"size_bytes": nbytes, "one_s": one_s, "two_s": two_s}
+
+
+def _copy_s_per_byte() -> float:
+    """Seconds per byte of the pass a stage makes over a gradient as it goes into its
+    bucket (divided by the world size, into a view of the flat buffer); the median of
+    the slowest rank's, every rank at once, as in a step."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp.dist import slowest_seconds
+
+    grad, bucket = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+    world = dist.get_world_size()
+    pass_s = statistics.median(
+        slowest_seconds(lambda: torch.div(grad, world, out=bucket), COPY_REPEATS)
+    )
+    _say(f"a pass over {COPY_BYTES >> 20} MiB of gradient: {pass_s * 1e3:.2f} ms")
+    return pass_s / COPY_BYTES
 
 
 def _model(cfg: Config, s_per_byte: float) -> dict:

@@ -33,23 +33,35 @@ CAPTIONS = {
 }
 WIDTH_IN = 8.0  # as the traced timelines: the docs' content column
 FONT_PT = 10
+COPY_COLOUR = "#9e9e9e"  # the stage moving gradients into and out of its buckets
 
 
 def simulate_stages(workload, calibration) -> dict[str, Step]:
     """Each of STAGES' simulated step on `workload` with `calibration`'s cost, lanes and
     slowdown (the MLP's)."""
-    from profiling.simulate.layouts import per_parameter, uniform_buckets
-    from profiling.simulate.schedule import StageSchedule, simulate
+    import dataclasses
 
-    buckets = uniform_buckets(workload, BUCKET_CAP_MB)
-    overlap = StageSchedule(overlap=True, lanes=calibration.lanes)
+    from profiling.simulate.schedule import simulate
+    from profiling.simulate.validate import layout
+
+    def plan(stage: str):  # the validation's layout and schedule of each stage
+        return layout(
+            stage,
+            workload,
+            BUCKET_CAP_MB,
+            calibration.lanes,
+            calibration.busy_launch_s,
+            calibration.copy_s_per_byte,
+        )
+
+    buckets, overlap = plan("overlapped")
     plans = {
-        "naive": (per_parameter(workload), StageSchedule(overlap=False)),
-        "bucketed": (buckets, StageSchedule(overlap=False)),
+        "naive": plan("naive"),
+        "bucketed": plan("bucketed"),
         "overlapped": (buckets, overlap),
         "skip_sync": (
             buckets,
-            StageSchedule(True, calibration.lanes, accumulation_steps=ACCUMULATION_STEPS),
+            dataclasses.replace(overlap, accumulation_steps=ACCUMULATION_STEPS),
         ),
     }
     slowdown = calibration.slowdowns.get("mlp", 0.0)
@@ -71,10 +83,11 @@ def draw(step: Step, caption: str, path: Path) -> None:
 
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.6))
+    colours = {**COLOURS, "copy": COPY_COLOUR}
     for s in step.lane("compute"):
         phase = s.label.split()[0]  # "backward (no_sync 1)" is backward too
         ax.broken_barh(
-            [(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)], (0.65, 0.7), color=COLOURS[phase]
+            [(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)], (0.65, 0.7), color=colours[phase]
         )
     comm = [s for s in step.segments if s.lane.startswith("comm")]
     ax.broken_barh(
@@ -89,8 +102,10 @@ def draw(step: Step, caption: str, path: Path) -> None:
     ax.set_title(caption, loc="left")
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")]
+    if any(s.label.startswith("copy") for s in step.segments):
+        handles.append(Patch(color=COPY_COLOUR, label="gradient copies"))
     handles.append(Patch(color=COLOURS["gloo"], label="all-reduce in flight"))
-    fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncols=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
     fig.savefig(path)
     plt.close(fig)

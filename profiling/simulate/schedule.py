@@ -27,7 +27,13 @@ What a stage does with them (`StageSchedule`):
 - `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
   and collectives in their wire phase at the same time share the link equally;
 - `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward with
-  no communication, then one synchronised.
+  no communication, then one synchronised;
+- `copy_in_s_per_byte`, `copy_out_s_per_byte`: the stage's own passes over a gradient,
+  on the compute lane: into its bucket (divided by the world size) before the
+  all-reduce, and the average back out after it. After backward (bucketed), each
+  bucket's copy in, all-reduce and copy out follow one another; overlapped, the copy in
+  runs in backward's hook, so each gradient is ready that much later, and the copies
+  out run after backward, bucket by bucket, each once its all-reduce has ended.
 
 Everything is in seconds. The schedule is exact for the model: tests check it against
 schedules worked out by hand.
@@ -120,6 +126,9 @@ class StageSchedule:
     # two shared cores, Gloo's second worker thread takes it up at once, and two small
     # all-reduces at once were measured to take far longer than two one after the other.
     busy_launch_s: float = 0.0
+    # Passes over the gradients the stage makes itself, seconds per byte (0: none).
+    copy_in_s_per_byte: float = 0.0
+    copy_out_s_per_byte: float = 0.0
 
 
 # --8<-- [start:simulate]
@@ -140,16 +149,24 @@ def simulate(
         t = _compute(step, t, "forward", workload.forward_s)
         t = _compute(step, t, "backward", workload.backward_s, note=f" (no_sync {k + 1})")
     t = _compute(step, t, "forward", workload.forward_s)
+    copy_in, copy_out = schedule.copy_in_s_per_byte, schedule.copy_out_s_per_byte
     if schedule.overlap:
-        t = _overlapped_backward(step, t, workload, buckets, cost, schedule, slowdown)
+        t = _overlapped_backward(
+            step, t, _copying_in(workload, copy_in), buckets, cost, schedule, slowdown
+        )
     else:
         t = _compute(step, t, "backward", workload.backward_s)
         for index, members in enumerate(buckets):  # blocking, one after the other
-            c = cost(sum(workload.grads[i].nbytes for i in members))
+            nbytes = sum(workload.grads[i].nbytes for i in members)
+            if copy_in:
+                t = _compute(step, t, "copy in", nbytes * copy_in)
+            c = cost(nbytes)
             step.segments.append(
                 Segment("comm", _label(workload, members, index), t, t + c.seconds)
             )
             t += c.seconds
+            if copy_out:
+                t = _compute(step, t, "copy out", nbytes * copy_out)
     t = _compute(step, t, "optimizer", workload.optimizer_s)
     step.step_s = t
     return step
@@ -161,6 +178,23 @@ def simulate(
 def _compute(step: Step, t: float, label: str, seconds: float, note: str = "") -> float:
     step.segments.append(Segment("compute", label + note, t, t + seconds))
     return t + seconds
+
+
+def _copying_in(workload: Workload, s_per_byte: float) -> Workload:
+    """The workload as an overlapped stage's backward sees it when its hook copies each
+    gradient into its bucket: every gradient later by the copies of all ready by then,
+    its own included, and backward longer by all of them."""
+    if not s_per_byte:
+        return workload
+    order = sorted(range(len(workload.grads)), key=lambda i: workload.grads[i].ready_s)
+    later, copied = {}, 0.0
+    for i in order:
+        copied += workload.grads[i].nbytes * s_per_byte
+        later[i] = copied
+    grads = tuple(
+        Grad(g.name, g.nbytes, g.ready_s + later[i]) for i, g in enumerate(workload.grads)
+    )
+    return Workload(grads, workload.forward_s, workload.backward_s + copied, workload.optimizer_s)
 
 
 def _label(workload: Workload, members: Sequence[int], index: int) -> str:
@@ -203,6 +237,7 @@ def _overlapped_backward(
     busy_launched: set[int] = set()  # buckets launched while another was in flight
     t, done_s = start_s, 0.0  # wall clock; backward's compute done, in uncontended seconds
     backward_end = None
+    ends: dict[int, float] = {}  # bucket -> when its all-reduce ended
     while True:
         # Launch every bucket that is full and next in order; start idle lanes.
         while next_launch < len(buckets) and pending[next_launch] == 0:
@@ -217,7 +252,7 @@ def _overlapped_backward(
                 latency_s = c.latency_s + (schedule.busy_launch_s if index in busy_launched else 0)
                 flying.append(_InFlight(index, lane, t, latency_s, c.wire_s))
         if backward_end is not None and not flying and next_launch == len(buckets):
-            return t
+            return _copies_out(step, backward_end, ends, workload, buckets, schedule)
         # Rates: backward slows while anything is in flight; wires share the link.
         compute_rate = 1.0 / (1.0 + slowdown) if flying else 1.0
         on_wire = [f for f in flying if f.latency_left_s <= 0]
@@ -255,12 +290,33 @@ def _overlapped_backward(
             step.segments.append(Segment("compute", "backward", start_s, t))
         for f in [f for f in flying if f.latency_left_s <= 1e-15 and f.wire_left_s <= 1e-15]:
             flying.remove(f)
+            ends[f.index] = t
             lane = "comm" if lanes == 1 else f"comm {f.lane}"
             label = _label(workload, buckets[f.index], f.index)
             step.segments.append(Segment(lane, label, f.start_s, t))
 
 
 # --8<-- [end:overlap]
+
+
+def _copies_out(
+    step: Step,
+    backward_end: float,
+    ends: dict[int, float],
+    workload: Workload,
+    buckets: Sequence[Sequence[int]],
+    schedule: StageSchedule,
+) -> float:
+    """After backward, bucket by bucket in launch order: wait for its all-reduce, then
+    copy its average out. Returns when the last copy is done (with no copies: when the
+    last all-reduce or backward ended)."""
+    t = backward_end
+    for index, members in enumerate(buckets):
+        t = max(t, ends.get(index, t))
+        seconds = sum(workload.grads[i].nbytes for i in members) * schedule.copy_out_s_per_byte
+        if seconds:
+            t = _compute(step, t, "copy out", seconds)
+    return t
 
 
 def achievable_bound(

@@ -106,18 +106,28 @@ def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]
 
 # --8<-- [start:layout]
 def layout(
-    stage: str, workload: Workload, cap_mb: float | None, lanes: int = 1, busy_launch_s=0.0
+    stage: str,
+    workload: Workload,
+    cap_mb: float | None,
+    lanes: int = 1,
+    busy_launch_s: float = 0.0,
+    copy_s_per_byte: float = 0.0,
 ) -> tuple[list[list[int]], StageSchedule]:
-    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload; `lanes` and
-    `busy_launch_s` are the calibration's, for the stages that launch asynchronously."""
+    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload; `lanes`,
+    `busy_launch_s` and `copy_s_per_byte` are the calibration's."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
-    asynchronous = StageSchedule(overlap=True, lanes=lanes, busy_launch_s=busy_launch_s)
+    # Every stage with buckets divides each gradient into its bucket and copies the
+    # average back (drop_in too: the benchmark leaves gradient_as_bucket_view off);
+    # naive all-reduces the gradient itself, then divides it in place.
+    copies = {"copy_in_s_per_byte": copy_s_per_byte, "copy_out_s_per_byte": copy_s_per_byte}
+    asynchronous = StageSchedule(overlap=True, lanes=lanes, busy_launch_s=busy_launch_s, **copies)
     if stage == "naive":
-        return per_parameter(workload), StageSchedule(overlap=False)
+        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy_s_per_byte)
+        return per_parameter(workload), schedule
     if stage == "bucketed":
-        return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False)
+        return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False, **copies)
     if stage == "overlapped":
         return uniform_buckets(workload, cap_mb), asynchronous
     if stage == "drop_in":
@@ -144,9 +154,21 @@ def predict(run: Run, calibration: Calibration) -> dict:
         # broadcast per dtype, costed as an all-reduce of as many bytes (both are a few
         # message rounds at these sizes). The CNN's BatchNorm has two; the MLP none.
         broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[run.model])
-        workload = dataclasses.replace(workload, forward_s=workload.forward_s + broadcast_s)
+        # After the last bucket, one blocking all-reduce of the status rows (every rank's
+        # row of one int32 per gradient, `stages/missing_grads.py`), before the optimizer.
+        status_s = calibration.cost(4 * calibration.world_size * len(workload.grads)).seconds
+        workload = dataclasses.replace(
+            workload,
+            forward_s=workload.forward_s + broadcast_s,
+            optimizer_s=workload.optimizer_s + status_s,
+        )
     buckets, schedule = layout(
-        run.stage, workload, run.cap_mb, calibration.lanes, calibration.busy_launch_s
+        run.stage,
+        workload,
+        run.cap_mb,
+        calibration.lanes,
+        calibration.busy_launch_s,
+        calibration.copy_s_per_byte,
     )
     step = simulate(workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model])
     return {
@@ -430,6 +452,7 @@ def markdown(data: dict) -> str:
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
                     f"{m['slowdown']:+.2f}",
+                    f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}",
                     f"{c['load_average_before'][0]:.1f}",
                 ]
             )
@@ -443,6 +466,7 @@ def markdown(data: dict) -> str:
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "forward / backward / optimizer ms",
                 "slowdown",
+                "copy ms/MiB",
                 "load",
             ],
             cal_rows,
