@@ -4,8 +4,10 @@ named within --timeout, and nothing is left behind."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from profiling.cluster.cli import main
 from profiling.cluster.probe import expected_allreduce_MBps
 from profiling.cluster.virtual_cluster import VirtualCluster
 
+ROOT = Path(__file__).resolve().parent.parent
 AVAILABLE, WHY_NOT = vc.available()
 needs_cluster = pytest.mark.skipif(not AVAILABLE, reason=f"no shaped cluster: {WHY_NOT}")
 
@@ -198,3 +201,46 @@ def test_rates_read_as_tc_reads_bit_units() -> None:
     assert vc.tbf_burst_bytes(4 * 10**9) == 2**20  # and its 4gbit one
     with pytest.raises(ValueError, match="1gbit"):
         vc.parse_rate("125mbps")  # tc would read bytes per second: refused
+
+
+OWNER = """
+import sys, time
+from profiling.cluster.virtual_cluster import VirtualCluster
+cluster = VirtualCluster(ranks=2, rate="1gbit")
+cluster.up()
+print(cluster.state.id, flush=True)
+time.sleep(600)
+"""
+
+
+@needs_cluster
+def test_the_next_cluster_removes_what_a_killed_owner_left() -> None:
+    # SIGKILL gives the owner no chance to take its cluster down: the next `up` must.
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        cid = owner.stdout.readline().strip()
+        assert cid, "the owner made no cluster"
+    finally:
+        owner.kill()
+        owner.wait()
+    orphans = [ns for ns in netns_list() if ns.startswith(f"{vc.PREFIX}-{cid}-")]
+    assert len(orphans) == 3, orphans  # the bridge and two nodes, still there
+    with VirtualCluster(ranks=1, rate="1gbit"):
+        assert not [ns for ns in netns_list() if ns in orphans]
+    assert not (vc.STATE_DIR / f"{cid}.json").exists()
+
+
+def test_a_cluster_is_stale_once_its_owner_is_gone() -> None:
+    def state(pid, started):
+        return vc.ClusterState("x", 1, "1gbit", 10**9, 1, "b", ["n"], ["a"], "i", pid,
+                               "now", started)  # fmt: skip
+
+    me = os.getpid()
+    assert not vc.stale(state(me, vc.process_started(me)))
+    assert not vc.stale(state(None, None))  # `up` from the command line: until `down`
+    assert vc.stale(state(me, vc.process_started(me) - 1))  # its pid, reused by another
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert vc.stale(state(child.pid, None))  # a record without a start time: the pid

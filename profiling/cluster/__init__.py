@@ -35,7 +35,9 @@ cores // ranks threads.
 Namespaces outlive the processes that made them. `up` records what it creates in a
 state file under /run/ddp-stages-cluster (next to /run/netns, so both vanish on reboot)
 before creating it, and `down` removes exactly the namespaces recorded there. Removing
-a namespace removes its veth ends, bridge and qdiscs with it.
+a namespace removes its veth ends, bridge and qdiscs with it. A cluster whose owner was
+killed outright (SIGKILL, which no handler sees) is removed by the next `up` on the
+machine: its record names a process that no longer runs (pid and start time).
 
 The package: `network` (rates, what this machine can do, the namespaces and shaped links
 set up and torn down), `virtual_cluster` (`VirtualCluster`), `nodes` (one torchrun per

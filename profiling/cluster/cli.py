@@ -10,11 +10,11 @@ import profiling.cluster
 from profiling.cluster.network import (
     LATENCY,
     _namespaces,
-    _pid_alive,
     available,
     parse_rate,
     recorded_clusters,
     remove,
+    remove_stale,
 )
 from profiling.cluster.probe import probe_worker
 from profiling.cluster.virtual_cluster import VirtualCluster
@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "down":
         if args.stale:
-            for c in recorded_clusters():
-                if c.owner_pid is not None and not _pid_alive(c.owner_pid):
-                    print(f"removed {', '.join(remove(c)) or 'nothing left'} ({c.id})")
+            print(f"removed {', '.join(remove_stale()) or 'nothing'}")
             return 0
         state = _cli_cluster(args.id).state
         print(f"removed {', '.join(remove(state)) or 'nothing left'} ({state.id})")

@@ -119,6 +119,9 @@ class ClusterState:
     ifname: str
     owner_pid: int | None  # the process whose exit tears it down; None: until `down`
     created_utc: str
+    # When the owner started (/proc/<pid>/stat, clock ticks since boot): a later process
+    # that reuses its pid is not its owner. None in records written before it was kept.
+    owner_started: int | None = None
 
     @property
     def path(self) -> Path:
@@ -151,6 +154,36 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of
+    /proc/<pid>/stat); None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # after the name, fields 3 onwards
+
+
+def stale(state: ClusterState) -> bool:
+    """Whether `state`'s owner is gone (killed with no chance to tear down: SIGKILL, the
+    machine's OOM killer, a container stopped): its namespaces serve no one. A cluster
+    made by `up` (no owner) is never stale."""
+    if state.owner_pid is None:
+        return False
+    if state.owner_started is None:
+        return not _pid_alive(state.owner_pid)
+    return process_started(state.owner_pid) != state.owner_started
+
+
+def remove_stale() -> list[str]:
+    """Remove every recorded cluster whose owner is gone; return the names deleted."""
+    removed = []
+    for state in recorded_clusters():
+        if stale(state):
+            removed += remove(state)
+    return removed
 
 
 # --- set-up and teardown --------------------------------------------------------------
@@ -189,7 +222,12 @@ def remove(state: ClusterState) -> list[str]:
     removed = []
     for ns in reversed(state.all_namespaces):
         if ns in present:
-            _sh(_tool("ip"), "netns", "del", ns)
+            try:
+                _sh(_tool("ip"), "netns", "del", ns)
+            except RuntimeError:
+                if ns in _namespaces():
+                    raise
+                continue  # another process removed it meanwhile (both reaping a stale one)
             removed.append(ns)
     state.path.unlink(missing_ok=True)
     return removed

@@ -21,7 +21,9 @@ from profiling.cluster.network import (
     available,
     create,
     parse_rate,
+    process_started,
     remove,
+    remove_stale,
     tbf_burst_bytes,
 )
 from profiling.cluster.nodes import NodeRun, run_nodes
@@ -31,8 +33,8 @@ from profiling.cluster.signals import _signals_deferred, _signals_raise
 
 class VirtualCluster:
     """N namespaces on a shaped bridge. A context manager: `with` brings it up and
-    always takes it down, on an exception, Ctrl-C or SIGTERM too (not on SIGKILL:
-    `python -m profiling.cluster down --stale` then removes what is left)."""
+    always takes it down, on an exception, Ctrl-C or SIGTERM too. What a SIGKILL leaves,
+    the next cluster's `up` removes (or `python -m profiling.cluster down --stale`)."""
 
     def __init__(self, ranks: int = 2, rate: str = "1gbit", *, persistent: bool = False):
         if ranks < 1 or ranks > 200:
@@ -56,6 +58,12 @@ class VirtualCluster:
         ok, why = available()
         if not ok:
             raise RuntimeError(why)
+        # Namespaces outlive a process killed before it could take its cluster down; the
+        # next cluster made on this machine removes them, so none piles up.
+        left = remove_stale()
+        if left:
+            print(f"profiling.cluster: removed {', '.join(left)}, left by a process that "
+                  "no longer runs", file=sys.stderr)  # fmt: skip
         cid = secrets.token_hex(3)
         base = f"{PREFIX}-{cid}"
         self.state = state = ClusterState(
@@ -69,6 +77,7 @@ class VirtualCluster:
             addresses=[f"{SUBNET}.{k + 1}" for k in range(self.ranks)],
             ifname=IFNAME,
             owner_pid=None if self.persistent else os.getpid(),
+            owner_started=None if self.persistent else process_started(os.getpid()),
             created_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         )
         # Record first, create second: an `up` that dies half-way leaves a record that
