@@ -45,14 +45,7 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     from profiling.simulate.validate import layout
 
     def plan(stage: str):  # the validation's layout and schedule of each stage
-        return layout(
-            stage,
-            workload,
-            BUCKET_CAP_MB,
-            calibration.lanes,
-            calibration.busy_launch_s,
-            calibration.copy_s_per_byte,
-        )
+        return layout(stage, workload, BUCKET_CAP_MB, calibration)
 
     buckets, overlap = plan("overlapped")
     plans = {

@@ -106,25 +106,23 @@ def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]
 
 # --8<-- [start:layout]
 def layout(
-    stage: str,
-    workload: Workload,
-    cap_mb: float | None,
-    lanes: int = 1,
-    busy_launch_s: float = 0.0,
-    copy_s_per_byte: float = 0.0,
+    stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
 ) -> tuple[list[list[int]], StageSchedule]:
-    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload; `lanes`,
-    `busy_launch_s` and `copy_s_per_byte` are the calibration's."""
+    """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload, with the
+    calibration's lanes, busy launch and copies."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
     # Every stage with buckets divides each gradient into its bucket and copies the
     # average back (drop_in too: the benchmark leaves gradient_as_bucket_view off);
     # naive all-reduces the gradient itself, then divides it in place.
-    copies = {"copy_in_s_per_byte": copy_s_per_byte, "copy_out_s_per_byte": copy_s_per_byte}
-    asynchronous = StageSchedule(overlap=True, lanes=lanes, busy_launch_s=busy_launch_s, **copies)
+    copy = calibration.copy_s_per_byte
+    copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy}
+    asynchronous = StageSchedule(
+        overlap=True, lanes=calibration.lanes, busy_launch_s=calibration.busy_launch_s, **copies
+    )
     if stage == "naive":
-        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy_s_per_byte)
+        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy)
         return per_parameter(workload), schedule
     if stage == "bucketed":
         return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False, **copies)
@@ -162,14 +160,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
             forward_s=workload.forward_s + broadcast_s,
             optimizer_s=workload.optimizer_s + status_s,
         )
-    buckets, schedule = layout(
-        run.stage,
-        workload,
-        run.cap_mb,
-        calibration.lanes,
-        calibration.busy_launch_s,
-        calibration.copy_s_per_byte,
-    )
+    buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration)
     step = simulate(workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model])
     return {
         "predicted_ms": step.step_s * 1e3,
