@@ -11,8 +11,9 @@ import torch
 
 from ddp.config import Config
 from ddp.models import build_model
-from profiling.simulate.calibrate import buffer_bytes, busy_launch_s, cost_model, lanes
+from profiling.simulate.calibrate import buffer_bytes, busy_launch_s, call_s, cost_model, lanes
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
+from profiling.simulate.schedule import linear_cost
 from profiling.simulate.validate import (
     Run,
     analyse,
@@ -91,6 +92,26 @@ def test_lanes_from_two_all_reduces_at_once():
     # One lane, and two at once take 5 ms against 1 ms each: the second pays 3 ms more.
     assert busy_launch_s(measured(1e-3, 5e-3)) == pytest.approx(3e-3)
     assert busy_launch_s(measured(1e-3, 1.1e-3)) == 0  # two lanes: no queue to pay for
+
+
+def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
+    # 1 call in 3 ms (most of it waiting for the slowest rank), 16 in 18 ms: 1 ms per
+    # call; the fit says 0.4 ms for 4 KiB, so each call costs 0.6 ms more in a sequence.
+    sequence = {"size_bytes": 4096, "lengths": [1, 16], "seconds": [[3e-3] * 3, [18e-3] * 3]}
+    fitted = linear_cost(0.4e-3, 0.0)
+    assert call_s(sequence, fitted) == pytest.approx(0.6e-3)
+    # Listed the other way round, the slope is the same; a sequence no slower adds 0.
+    backwards = {**sequence, "lengths": [16, 1], "seconds": [[18e-3], [3e-3]]}
+    assert call_s(backwards, fitted) == pytest.approx(0.6e-3)
+    assert call_s({**sequence, "seconds": [[3e-3], [6e-3]]}, fitted) == 0
+    # Added to every collective's latency, whatever its size; the wire is untouched.
+    plain, slow = cost_model(FIT, 4)(2**20), cost_model(FIT, 4, call_s=0.6e-3)(2**20)
+    assert slow.latency_s == pytest.approx(plain.latency_s + 0.6e-3)
+    assert slow.wire_s == plain.wire_s
+    # Two at once in 5 ms against 1 ms alone: with 0.6 ms more per call in a sequence,
+    # two one after the other are 3.2 ms, so the second pays 1.8 ms more, not 3.
+    measured = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
+    assert busy_launch_s(measured, call_s=0.6e-3) == pytest.approx(1.8e-3)
 
 
 def test_buffer_bytes_per_dtype_by_hand():

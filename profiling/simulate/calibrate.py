@@ -22,7 +22,12 @@ running `worker` (this module under torchrun), which measures, in this order:
    compute takes while communication runs on the same cores;
 4. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
    out=bucket_view)`, what bucketed and overlapped do to each gradient before its
-   all-reduce (and a copy of the same size after it), on every rank at once.
+   all-reduce (and a copy of the same size after it), on every rank at once;
+5. a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
+   small all-reduces one after the other, as a stage issues its buckets. The sweep
+   starts every call from a barrier and times that call alone; in a sequence each call
+   measured 2-3 times that on two ranks (0.9 against 0.3 ms), and what a call costs
+   beyond the sweep's figure is added to every collective's latency.
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -36,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,21 +71,27 @@ COMM_COVER = 2.0  # the all-reduce in flight is sized to last this many backward
 COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
 COPY_REPEATS = 20
 MAX_COMM_BYTES = 256 * 2**20
+SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
+SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
+SEQUENCE_REPEATS = 15
+SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a few ms)
 ENV = "SIMULATE_CALIBRATION"
 
 
 # --8<-- [start:cost]
-def cost_model(fit: dict, world_size: int, algorithm: str = ALGORITHM) -> CostModel:
-    """The fitted alpha-beta-gamma model as a `Cost` per size: latency = steps * alpha +
-    bytes added * gamma (message rounds and the reduction, which no other collective
-    slows), wire = sum over phases of max(0, phase bytes - free_bytes) * beta (what holds
-    the link)."""
+def cost_model(
+    fit: dict, world_size: int, algorithm: str = ALGORITHM, call_s: float = 0.0
+) -> CostModel:
+    """The fitted alpha-beta-gamma model as a `Cost` per size: latency = call_s + steps *
+    alpha + bytes added * gamma (what a call costs in a sequence beyond the sweep's
+    figure, message rounds, the reduction: what no other collective slows), wire = sum
+    over phases of max(0, phase bytes - free_bytes) * beta (what holds the link)."""
 
     def cost(nbytes: int) -> Cost:
         c = counts(algorithm, world_size, nbytes)
         wire = sum(max(0.0, phase - fit["free_bytes"]) for phase in c.phases)
         return Cost(
-            latency_s=c.steps * fit["alpha_s"] + c.added * fit["gamma"],
+            latency_s=call_s + c.steps * fit["alpha_s"] + c.added * fit["gamma"],
             wire_s=wire * fit["beta_s_per_byte"],
         )
 
@@ -108,7 +120,7 @@ class Calibration:
         return cls(
             rate=data["rate"],
             world_size=data["world_size"],
-            cost=cost_model(data["fit"], data["world_size"]),
+            cost=cost_model(data["fit"], data["world_size"], call_s=data.get("call_s", 0.0)),
             lanes=data["lanes"],
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
@@ -124,13 +136,25 @@ def lanes(concurrency: list[dict]) -> int:
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
 
 
-def busy_launch_s(concurrency: list[dict]) -> float:
+def busy_launch_s(concurrency: list[dict], call_s: float = 0.0) -> float:
     """With one lane, what the second of two small all-reduces launched together costs
-    beyond waiting for the first: two at once minus two one after the other."""
+    beyond waiting for the first: two at once minus two one after the other, each
+    costing what it does alone plus `call_s` (as the model charges them)."""
     if lanes(concurrency) > 1:
         return 0.0
     small = min(concurrency, key=lambda c: c["size_bytes"])
-    return max(0.0, small["two_s"] - 2 * small["one_s"])
+    return max(0.0, small["two_s"] - 2 * (small["one_s"] + call_s))
+
+
+def call_s(sequence: dict, cost: CostModel) -> float:
+    """What a collective costs in a sequence beyond the cost model's figure for it:
+    (the longer sequence - the shorter) per call extra, less `cost` of its size; 0 if
+    the sequence is no slower."""
+    (n_short, short), (n_long, long) = sorted(
+        zip(sequence["lengths"], map(statistics.median, sequence["seconds"]), strict=True)
+    )
+    per_call = (long - short) / (n_long - n_short)
+    return max(0.0, per_call - cost(sequence["size_bytes"]).seconds)
 
 
 def buffer_bytes(cfg: Config) -> list[int]:
@@ -183,12 +207,14 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     fits = fit(medians([sweep]), measure_gamma([sweep]))
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
+    extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
     return {
         "rate": rate,
         "world_size": world_size,
         "fit": fits[ALGORITHM],
+        "call_s": extra_s,
         "lanes": lanes(result["concurrency"]),
-        "busy_launch_s": busy_launch_s(result["concurrency"]),
+        "busy_launch_s": busy_launch_s(result["concurrency"], extra_s),
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
@@ -223,6 +249,7 @@ def worker(settings: dict) -> None:
             "sweep": sweep_result,
             "concurrency": [_concurrency(n) for n in CONCURRENCY_BYTES],
             "copy_s_per_byte": _copy_s_per_byte(),
+            "sequence": _sequence(),
             "models": {
                 key: _model(Config(**cfg), largest_s / largest)
                 for key, cfg in settings["configs"].items()
@@ -280,6 +307,42 @@ def _copy_s_per_byte() -> float:
     )
     _say(f"a pass over {COPY_BYTES >> 20} MiB of gradient: {pass_s * 1e3:.2f} ms")
     return pass_s / COPY_BYTES
+
+
+def _sequence() -> dict:
+    """Seconds (the slowest rank's, per repeat) from the end of some compute to the end
+    of each of `SEQUENCE_LENGTHS` small all-reduces issued one after the other; the
+    lengths interleaved in every repeat, so both see the same spells of the machine."""
+    import torch
+    import torch.distributed as dist
+
+    side, matmuls = SEQUENCE_WORK
+    a = torch.randn(side, side)
+    tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
+    for t in tensors:  # connections and buffers
+        dist.all_reduce(t)
+    seconds: list[list[float]] = [[] for _ in SEQUENCE_LENGTHS]
+    for _ in range(SEQUENCE_REPEATS):
+        for times, n in zip(seconds, SEQUENCE_LENGTHS, strict=True):
+            dist.barrier()
+            for _ in range(matmuls):
+                a @ a
+            start = time.perf_counter()
+            for t in tensors[:n]:
+                dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    medians_ms = [statistics.median(s) * 1e3 for s in slowest.tolist()]
+    _say(
+        "small all-reduces one after the other, "
+        + ", ".join(f"{n}: {m:.2f} ms" for n, m in zip(SEQUENCE_LENGTHS, medians_ms, strict=True))
+    )
+    return {
+        "size_bytes": SEQUENCE_BYTES,
+        "lengths": list(SEQUENCE_LENGTHS),
+        "seconds": slowest.tolist(),
+    }
 
 
 def _model(cfg: Config, s_per_byte: float) -> dict:

@@ -8,10 +8,13 @@
 
 In order, for every (rate, world size) of the grid: calibrate on a fresh cluster
 (`calibrate`: the all-reduce cost, whether two collectives overlap, and per model the
-compute and its slowdown under communication); then predict every run and print the
-predictions; only then measure, with one `profiling.bench` invocation per (model, rate,
-world size): every stage at every bucket cap interleaved in the same rounds
+compute and its slowdown under communication); then predict that cluster's runs and
+print the predictions; only then measure them, with one `profiling.bench` invocation per
+model: every stage at every bucket cap interleaved in the same rounds
 (`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep bucket_cap_mb=...`).
+Each cluster is calibrated just before its own runs are measured, not all of them
+first: on a shared machine the compute's pace drifts over minutes (a first calibration
+on an idle machine once timed the CNN's compute 15% faster than every measurement after).
 The table compares each run's predicted step with its measured median; the last line
 sums it up:
 
@@ -422,7 +425,7 @@ def markdown(data: dict) -> str:
         f"calibrating, {data['elapsed_s']['benchmark']:.0f} s measuring); "
         f"{data['machine']['date_utc']} UTC.",
         "",
-        "**Calibration**, measured before any run of the grid:",
+        "**Calibration**, measured on each cluster just before its runs:",
         "",
     ]
     cal_rows = []
@@ -440,6 +443,7 @@ def markdown(data: dict) -> str:
                     f"{f['held_out']['median_pct']:.0f}%",
                     f"{small['one_s'] * 1e3:.2f} / {small['two_s'] * 1e3:.2f} → "
                     f"{c['lanes']} / {c.get('busy_launch_s', 0) * 1e3:.2f}",
+                    f"{c.get('call_s', 0) * 1e3:.2f}",
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
                     f"{m['slowdown']:+.2f}",
@@ -455,6 +459,7 @@ def markdown(data: dict) -> str:
                 "α µs / 1/β MB/s / γ ns/B / free KiB",
                 "held-out error",
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
+                "in a sequence, per call +ms",
                 "forward / backward / optimizer ms",
                 "slowdown",
                 "copy ms/MiB",
@@ -570,45 +575,49 @@ def run(args: argparse.Namespace) -> None:
         "load_average_before": load_average(),
     }
 
-    # 1. Calibrate every cluster first: nothing below may be measured before.
-    calibrations = []
+    data["calibrations"], data["predictions"], data["bench"] = [], [], []
     configs = {m: Config(**MODELS[m]) for m in spec["models"]}
-    for rate in spec["rates"]:
-        for world in spec["world_sizes"]:
-            print(f"calibrating at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
-            calibrations.append(_twice(calibrate, rate, world, configs))
-    data["calibrations"] = calibrations
-    calibrated = time.perf_counter()
-
-    # 2. Predict every run, and show the predictions before any is measured.
-    by_cluster = {(c["rate"], c["world_size"]): Calibration.from_json(c) for c in calibrations}
-    floors = sorted({Run(*r.group, FLOOR, None) for r in runs})
-    data["predictions"] = [
-        {**_run_json(r), **predict(r, by_cluster[r.rate, r.world_size])}
-        for r in sorted([*floors, *runs], key=_table_order)
-    ]
-    print("predicted step times, before measuring:")
-    for p in data["predictions"]:
-        print(f"  {_from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
-    sys.stdout.flush()
-    if args.json:  # kept as it grows: a later failure leaves what was done
-        write_json(args.json, data)
-
-    # 3. Measure: one benchmark per (model, rate, world size), all its runs interleaved.
-    data["bench"] = []
+    calibrating_s = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for model, rate, world in sorted({r.group for r in runs}):
-            path = str(Path(tmp) / f"{model}-{rate}-{world}.json")
-            command = bench_command(model, rate, world, path)
-            print(f"measuring {model} at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
-            data["bench"] += _twice(_bench, command, path)
-            if args.json:
-                write_json(args.json, data)
+        for rate in spec["rates"]:
+            for world in spec["world_sizes"]:
+                # 1. Calibrate this cluster, just before its runs.
+                print(f"calibrating at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
+                data["calibrations"].append(_twice(calibrate, rate, world, configs))
+                calibrating_s += time.perf_counter() - t0
+                calibration = Calibration.from_json(data["calibrations"][-1])
+
+                # 2. Predict its runs, and show the predictions before any is measured.
+                mine = [r for r in runs if (r.rate, r.world_size) == (rate, world)]
+                floors = sorted({Run(*r.group, FLOOR, None) for r in mine})
+                predictions = [
+                    {**_run_json(r), **predict(r, calibration)}
+                    for r in sorted([*floors, *mine], key=_table_order)
+                ]
+                print(f"predicted step times at {rate} on {world} ranks, before measuring:")
+                for p in predictions:
+                    print(f"  {_from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
+                sys.stdout.flush()
+                data["predictions"] += predictions
+                if args.json:  # kept as it grows: a later failure leaves what was done
+                    write_json(args.json, data)
+
+                # 3. Measure: one benchmark per model, all its runs interleaved.
+                for model in sorted({r.model for r in mine}):
+                    path = str(Path(tmp) / f"{model}-{rate}-{world}.json")
+                    command = bench_command(model, rate, world, path)
+                    print(f"measuring {model} at {rate} on {world} ranks ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    data["bench"] += _twice(_bench, command, path)
+                    if args.json:
+                        write_json(args.json, data)
+    data["predictions"].sort(key=lambda p: _table_order(_from_json(p)))
     finished = time.perf_counter()
     data["machine"] = machine()
     data["elapsed_s"] = {
-        "calibration": calibrated - started,
-        "benchmark": finished - calibrated,
+        "calibration": calibrating_s,
+        "benchmark": finished - started - calibrating_s,
         "total": finished - started,
     }
     _report(data, args)
