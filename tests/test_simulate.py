@@ -53,6 +53,20 @@ def test_two_buckets_overlapped_with_contention():
     assert step.step_s == pytest.approx(26 / 3)
 
 
+def test_communication_slowed_while_backward_runs():
+    # Communication at half speed while backward runs (comm_slowdown 1), backward at
+    # full speed. "last" launches at 3: its 1 s of latency takes 3-5, half its 1 s of
+    # wire 5-6, when backward ends; the other half 6-6.5. "first" (ready at 5, queued)
+    # 6.5-8.5, alone. Optimizer 8.5-9.5.
+    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True), comm_slowdown=1.0)
+    assert bars(step, "comm") == [("last", 3, 6.5), ("first", 6.5, 8.5)]
+    assert ("backward", 2, 6) in bars(step, "compute")
+    assert step.step_s == pytest.approx(9.5)
+    # After backward, as naive and bucketed communicate, nothing is slowed.
+    after = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=False), comm_slowdown=1.0)
+    assert after.step_s == pytest.approx(2 + 4 + 2 + 2 + 1)
+
+
 def test_one_bucket_waits_for_the_whole_backward():
     step = simulate(TWO, [[1, 0]], COST, StageSchedule(overlap=True))
     # Both ready at 5 (backward's 3 s), 200 bytes: 1 + 2 = 3 s, 5-8; optimizer 8-9.

@@ -11,7 +11,14 @@ import torch
 
 from ddp.config import Config
 from ddp.models import build_model
-from profiling.simulate.calibrate import buffer_bytes, busy_launch_s, call_s, cost_model, lanes
+from profiling.simulate.calibrate import (
+    buffer_bytes,
+    busy_launch_s,
+    call_s,
+    comm_slowdown,
+    cost_model,
+    lanes,
+)
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
 from profiling.simulate.schedule import linear_cost
 from profiling.simulate.validate import (
@@ -112,6 +119,19 @@ def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
     # two one after the other are 3.2 ms, so the second pays 1.8 ms more, not 3.
     measured = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
     assert busy_launch_s(measured, call_s=0.6e-3) == pytest.approx(1.8e-3)
+
+
+def test_communications_slowdown_from_when_it_ended_by_hand():
+    # 2 s alone; launched with a 2 s backward, it ended at 3 s: its last 1 s ran alone,
+    # so 1 s of its work took backward's 2 s, half speed: slowdown 1.
+    assert comm_slowdown([[3.0, 2.0]], alone_s=2.0) == pytest.approx(1.0)
+    # Over before backward was: 0.5 s of work in 1 s, half speed too.
+    assert comm_slowdown([[1.0, 2.0]], alone_s=0.5) == pytest.approx(1.0)
+    # The median over repeats: half speed, half speed, full speed.
+    assert comm_slowdown([[3.0, 2.0], [3.0, 2.0], [2.0, 2.0]], 2.0) == pytest.approx(1.0)
+    # Never faster than alone; and at most 1 / 0.05 slower (nothing done under backward).
+    assert comm_slowdown([[1.5, 2.0]], alone_s=2.0) == 0
+    assert comm_slowdown([[5.0, 2.0]], alone_s=2.0) == pytest.approx(19.0)
 
 
 def test_buffer_bytes_per_dtype_by_hand():

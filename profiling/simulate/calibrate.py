@@ -19,7 +19,9 @@ running `worker` (this module under torchrun), which measures, in this order:
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
    longer than it: `slowdown` = backward with / backward without - 1, how much longer
-   compute takes while communication runs on the same cores;
+   compute takes while communication runs on the same cores; and the other way round,
+   from when that all-reduce ended against the same all-reduce alone, how much longer
+   communication takes while backward runs (`comm_slowdown`);
 4. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
    out=bucket_view)`, what bucketed and overlapped do to each gradient before its
    all-reduce (and a copy of the same size after it), on every rank at once;
@@ -68,6 +70,7 @@ TWO_LANES_BELOW = 1.5  # two small all-reduces at once take < 1.5x one: they ove
 REPEATS = 15  # timed compute repeats per model, each way (alone, with communication)
 WARMUP = 3
 COMM_COVER = 2.0  # the all-reduce in flight is sized to last this many backwards
+COMM_ALONE = 5  # then timed alone this many times
 COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
 COPY_REPEATS = 20
 MAX_COMM_BYTES = 256 * 2**20
@@ -111,6 +114,8 @@ class Calibration:
     lanes: int
     workloads: dict[str, Workload]  # model key -> its compute
     slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
+    # model key -> communication's slowdown under backward (0 where not calibrated)
+    comm_slowdowns: dict[str, float] = field(default_factory=dict)
     busy_launch_s: float = 0.0  # what a collective launched while another flies adds
     copy_s_per_byte: float = 0.0  # a stage's pass over a gradient (into or out of a bucket)
     buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
@@ -124,6 +129,7 @@ class Calibration:
             lanes=data["lanes"],
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
+            comm_slowdowns={k: m.get("comm_slowdown", 0.0) for k, m in data["models"].items()},
             busy_launch_s=data.get("busy_launch_s", 0.0),
             copy_s_per_byte=data.get("copy_s_per_byte", 0.0),
             buffer_bytes={k: m.get("buffer_bytes", []) for k, m in data["models"].items()},
@@ -155,6 +161,26 @@ def call_s(sequence: dict, cost: CostModel) -> float:
     )
     per_call = (long - short) / (n_long - n_short)
     return max(0.0, per_call - cost(sequence["size_bytes"]).seconds)
+
+
+MIN_COMM_RATE = 0.05  # communication never measured slower than this under backward
+
+
+def comm_slowdown(with_backward: list[list[float]], alone_s: float) -> float:
+    """How much longer communication takes while backward runs, from repeats of
+    [seconds from an all-reduce's launch to its end, backward's seconds], both started
+    together, and the same all-reduce's seconds alone. Per repeat: the part of the
+    all-reduce left when backward ended ran at full speed, so the rest, alone_s - (end -
+    backward), was done during backward, at that fraction of full speed; 1 / rate - 1,
+    the median over repeats."""
+    rates = []
+    for end_s, backward_s in with_backward:
+        if end_s <= backward_s:  # all of it under backward
+            rate = alone_s / end_s
+        else:
+            rate = (alone_s - (end_s - backward_s)) / backward_s
+        rates.append(min(1.0, max(MIN_COMM_RATE, rate)))
+    return 1 / statistics.median(rates) - 1
 
 
 def buffer_bytes(cfg: Config) -> list[int]:
@@ -219,7 +245,11 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "load_average_after": load_average(),
         **result,
         "models": {
-            key: {**m, "buffer_bytes": buffer_bytes(configs[key])}
+            key: {
+                **m,
+                "buffer_bytes": buffer_bytes(configs[key]),
+                "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
+            }
             for key, m in result["models"].items()
         },
     }
@@ -351,6 +381,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     import torch
     import torch.distributed as dist
 
+    from ddp.dist import slowest_seconds
     from profiling.simulate.inputs import slowest_workload, time_repeats, workload_to_json
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -371,12 +402,19 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     comm_bytes = int(min(MAX_COMM_BYTES, COMM_COVER * backward_s / s_per_byte))
     buffer = torch.zeros(comm_bytes // 4)
     count = iter(range(10**9))
+    comm_s: list[float] = []  # from each launch to its end, seen from this rank
 
     def every_other() -> Callable[[], None]:
         if next(count) % 2 == 0:
             return lambda: None
+        start = time.perf_counter()
         work = dist.all_reduce(buffer, async_op=True)
-        return work.wait
+
+        def wait() -> None:
+            work.wait()
+            comm_s.append(time.perf_counter() - start)
+
+        return wait
 
     _, repeats = time_repeats(
         cfg, world, repeats=2 * REPEATS, warmup=2, around_backward=every_other, **options
@@ -385,11 +423,20 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     workload = slowest_workload(grads, [r[0::2] for r in per_rank])
     with_comm = slowest_workload(grads, [r[1::2] for r in per_rank])
     slowdown = with_comm.backward_s / workload.backward_s - 1
+    # The other way round: of each repeat, the slowest rank's (the last to launch, so
+    # its clock holds no wait for the others), the all-reduce's end against its backward.
+    ends = everyone(comm_s[1:])  # the first was the warm-up's
+    with_backward = []
+    for k, together in enumerate(zip(*[r[1::2] for r in per_rank], strict=True)):
+        rank_k = max(range(world), key=lambda i: together[i].step_s)
+        with_backward.append([ends[rank_k][k], together[rank_k].backward_s])
+    alone_s = statistics.median(slowest_seconds(lambda: dist.all_reduce(buffer), COMM_ALONE))
     # --8<-- [end:slowdown]
     _say(
         f"{cfg.model}: forward {workload.forward_s * 1e3:.1f} ms, backward "
         f"{workload.backward_s * 1e3:.1f} ms alone, {with_comm.backward_s * 1e3:.1f} ms with "
-        f"{comm_bytes / 2**20:.1f} MiB in flight (slowdown {slowdown:.2f}), optimizer "
+        f"{comm_bytes / 2**20:.1f} MiB in flight (slowdown {slowdown:.2f}; the all-reduce "
+        f"{alone_s * 1e3:.1f} ms alone), optimizer "
         f"{workload.optimizer_s * 1e3:.1f} ms"
     )
     return {
@@ -398,6 +445,8 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
         "backward_with_comm_s": with_comm.backward_s,
         "comm_bytes": comm_bytes,
         "slowdown": slowdown,
+        "comm_with_backward_s": with_backward,
+        "comm_alone_s": alone_s,
     }
 
 

@@ -38,7 +38,7 @@ COPY_COLOUR = "#9e9e9e"  # the stage moving gradients into and out of its bucket
 
 def simulate_stages(workload, calibration) -> dict[str, Step]:
     """Each of STAGES' simulated step on `workload` with `calibration`'s cost, lanes and
-    slowdown (the MLP's)."""
+    slowdowns (the MLP's)."""
     import dataclasses
 
     from profiling.simulate.schedule import simulate
@@ -58,8 +58,9 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
         ),
     }
     slowdown = calibration.slowdowns.get("mlp", 0.0)
+    comm_slowdown = calibration.comm_slowdowns.get("mlp", 0.0)
     return {
-        stage: simulate(workload, layout, calibration.cost, schedule, slowdown)
+        stage: simulate(workload, layout, calibration.cost, schedule, slowdown, comm_slowdown)
         for stage, (layout, schedule) in plans.items()
     }
 

@@ -10,7 +10,11 @@ It knows nothing of torch. What it is given:
   other collective slows (message rounds, reduction) and the part that holds the link;
 - `slowdown`: how much longer backward's compute takes while communication runs on the
   same cores (0.3: 30% longer). On a laptop's two cores it is large; on a GPU, whose
-  communication runs on its own engine and NIC, it is small.
+  communication runs on its own engine and NIC, it is small;
+- `comm_slowdown`: the other way round, how much longer communication takes while
+  backward computes on the same cores. Over a virtual network the kernel's TCP and
+  Gloo's threads move every byte on the CPU, so the link is only as fast as the cores
+  left to it.
 
 What a stage does with them (`StageSchedule`):
 
@@ -19,8 +23,9 @@ What a stage does with them (`StageSchedule`):
 - overlapped (overlapped, skip_sync, drop_in): a bucket is launched once all its
   gradients are ready and every earlier bucket was launched (buckets go out in bucket
   order on every rank), into a queue served one collective at a time; backward goes on
-  at 1 / (1 + slowdown) of its speed while a collective is in flight. The step waits
-  for the last collective, then runs the optimizer;
+  at 1 / (1 + slowdown) of its speed while a collective is in flight, and a collective
+  at 1 / (1 + comm_slowdown) of its speed while backward runs. The step waits for the
+  last collective, then runs the optimizer;
 - `busy_launch_s`: a collective launched while another is in flight or waiting pays
   this much more latency (measured: on two shared cores, two small all-reduces at once
   take far longer than one after the other);
@@ -138,6 +143,7 @@ def simulate(
     cost: CostModel,
     schedule: StageSchedule,
     slowdown: float = 0.0,
+    comm_slowdown: float = 0.0,
 ) -> Step:
     """One step of a stage whose buckets (lists of indices into workload.grads, in the
     order they are all-reduced) are `buckets`. Naive is one bucket per gradient, in
@@ -152,8 +158,9 @@ def simulate(
     copy_in, copy_out = schedule.copy_in_s_per_byte, schedule.copy_out_s_per_byte
     if schedule.overlap:
         t = _overlapped_backward(
-            step, t, _copying_in(workload, copy_in), buckets, cost, schedule, slowdown
-        )
+            step, t, _copying_in(workload, copy_in), buckets, cost, schedule,
+            slowdown, comm_slowdown,
+        )  # fmt: skip
     else:
         t = _compute(step, t, "backward", workload.backward_s)
         for index, members in enumerate(buckets):  # blocking, one after the other
@@ -221,6 +228,7 @@ def _overlapped_backward(
     cost: CostModel,
     schedule: StageSchedule,
     slowdown: float,
+    comm_slowdown: float,
 ) -> float:
     """Backward with buckets launched as they fill; returns when the last collective
     ends (or backward, if later). An event loop: at each turn, find the next thing to
@@ -253,17 +261,21 @@ def _overlapped_backward(
                 flying.append(_InFlight(index, lane, t, latency_s, c.wire_s))
         if backward_end is not None and not flying and next_launch == len(buckets):
             return _copies_out(step, backward_end, ends, workload, buckets, schedule)
-        # Rates: backward slows while anything is in flight; wires share the link.
+        # Rates: backward slows while anything is in flight, and communication while
+        # backward runs; wires share the link.
         compute_rate = 1.0 / (1.0 + slowdown) if flying else 1.0
+        comm_rate = 1.0 / (1.0 + comm_slowdown) if backward_end is None else 1.0
         on_wire = [f for f in flying if f.latency_left_s <= 0]
-        wire_rate = 1.0 / len(on_wire) if on_wire else 1.0
+        wire_rate = comm_rate / len(on_wire) if on_wire else comm_rate
         candidates = []
         if backward_end is None:
             target = grads[by_ready[next_ready]].ready_s if next_ready < len(grads) else None
             target = workload.backward_s if target is None else target
             candidates.append((target - done_s) / compute_rate)
         for f in flying:
-            left = f.latency_left_s if f.latency_left_s > 0 else f.wire_left_s / wire_rate
+            left = (
+                f.latency_left_s / comm_rate if f.latency_left_s > 0 else f.wire_left_s / wire_rate
+            )
             candidates.append(left)
         dt = max(0.0, min(candidates))
         # Move every clock by dt.
@@ -272,7 +284,7 @@ def _overlapped_backward(
             done_s += dt * compute_rate
         for f in flying:
             if f.latency_left_s > 0:
-                f.latency_left_s -= dt
+                f.latency_left_s -= dt * comm_rate
             else:
                 f.wire_left_s -= dt * wire_rate
         # Act: gradients that are now ready, backward's end, collectives that ended.

@@ -164,7 +164,10 @@ def predict(run: Run, calibration: Calibration) -> dict:
             optimizer_s=workload.optimizer_s + status_s,
         )
     buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration)
-    step = simulate(workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model])
+    step = simulate(
+        workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model],
+        calibration.comm_slowdowns.get(run.model, 0.0),
+    )  # fmt: skip
     return {
         "predicted_ms": step.step_s * 1e3,
         "compute_ms": step.compute_s * 1e3,
@@ -446,7 +449,7 @@ def markdown(data: dict) -> str:
                     f"{c.get('call_s', 0) * 1e3:.2f}",
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
-                    f"{m['slowdown']:+.2f}",
+                    f"{m['slowdown']:+.2f} / {m.get('comm_slowdown', 0):+.2f}",
                     f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}",
                     f"{c['load_average_before'][0]:.1f}",
                 ]
@@ -461,7 +464,7 @@ def markdown(data: dict) -> str:
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "in a sequence, per call +ms",
                 "forward / backward / optimizer ms",
-                "slowdown",
+                "slowdown of compute / of communication",
                 "copy ms/MiB",
                 "load",
             ],
