@@ -382,7 +382,12 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     import torch.distributed as dist
 
     from ddp.dist import slowest_seconds
-    from profiling.simulate.inputs import slowest_workload, time_repeats, workload_to_json
+    from profiling.simulate.inputs import (
+        slowest_rank,
+        slowest_workload,
+        time_repeats,
+        workload_to_json,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -428,7 +433,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     ends = everyone(comm_s[1:])  # the first was the warm-up's
     with_backward = []
     for k, together in enumerate(zip(*[r[1::2] for r in per_rank], strict=True)):
-        rank_k = max(range(world), key=lambda i: together[i].step_s)
+        rank_k = slowest_rank(together)
         with_backward.append([ends[rank_k][k], together[rank_k].backward_s])
     alone_s = statistics.median(slowest_seconds(lambda: dist.all_reduce(buffer), COMM_ALONE))
     # --8<-- [end:slowdown]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +135,19 @@ def to_workload(grads: list[tuple[str, int]], repeats: list[Repeat]) -> Workload
     )
 
 
+def slowest_rank(together: Sequence[Repeat]) -> int:
+    """Of one repeat timed on every rank at once (together[rank]), the rank whose step
+    was longest: the one the benchmark's step time is."""
+    return max(range(len(together)), key=lambda rank: together[rank].step_s)
+
+
 def slowest_workload(grads: list[tuple[str, int]], per_rank: list[list[Repeat]]) -> Workload:
     """Repeats taken on every rank at once (per_rank[rank][k]: repeat k, started together):
     of each repeat, the slowest rank's, as the benchmark times a step; then the medians."""
     lengths = {len(r) for r in per_rank}
     if len(lengths) != 1:
         raise ValueError(f"every rank must time as many repeats, got {sorted(lengths)}")
-    slowest = [max(together, key=lambda r: r.step_s) for together in zip(*per_rank, strict=True)]
+    slowest = [together[slowest_rank(together)] for together in zip(*per_rank, strict=True)]
     return to_workload(grads, slowest)
 
 
