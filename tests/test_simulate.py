@@ -67,6 +67,25 @@ def test_communication_slowed_while_backward_runs():
     assert after.step_s == pytest.approx(2 + 4 + 2 + 2 + 1)
 
 
+def test_latency_bound_collectives_slowed_apart_from_the_wire_by_hand():
+    # Small all-reduces wait for the cores, large ones for the link: here only a
+    # collective's latency slows backward (to half speed) and is slowed by it (half
+    # speed); its wire phase neither. "last" ready at 3: latency 3-5 (1 s at half
+    # speed), backward 1 s of work in it (2 in all); wire 5-6, backward at full speed
+    # (3 in all): "first" ready at 6, its latency 6-8 with backward's last second at
+    # half speed, both done at 8; its wire 8-9 alone. Optimizer 9-10.
+    step = simulate(
+        TWO, [[1], [0]], COST, StageSchedule(overlap=True),
+        latency_slowdown=1.0, comm_latency_slowdown=1.0,
+    )  # fmt: skip
+    assert bars(step, "comm") == [("last", 3, 6), ("first", 6, 9)]
+    assert ("backward", 2, 8) in bars(step, "compute")
+    assert step.step_s == pytest.approx(10.0)
+    # Not given, they are the slowdowns of the whole collective: here none, as in
+    # test_two_buckets_overlapped.
+    assert simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True)).step_s == 8.0
+
+
 def test_one_bucket_waits_for_the_whole_backward():
     step = simulate(TWO, [[1, 0]], COST, StageSchedule(overlap=True))
     # Both ready at 5 (backward's 3 s), 200 bytes: 1 + 2 = 3 s, 5-8; optimizer 8-9.

@@ -18,6 +18,8 @@ from profiling.simulate.calibrate import (
     comm_slowdown,
     cost_model,
     lanes,
+    latency_slowdown,
+    latency_slowdowns,
 )
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
 from profiling.simulate.schedule import linear_cost
@@ -96,9 +98,25 @@ def test_lanes_from_two_all_reduces_at_once():
 
     assert lanes(measured(1e-3, 1.1e-3)) == 2  # together in about the time of one
     assert lanes(measured(1e-3, 2.0e-3)) == 1  # one after the other
-    # One lane, and two at once take 5 ms against 1 ms each: the second pays 3 ms more.
-    assert busy_launch_s(measured(1e-3, 5e-3)) == pytest.approx(3e-3)
-    assert busy_launch_s(measured(1e-3, 1.1e-3)) == 0  # two lanes: no queue to pay for
+
+
+def test_busy_launch_from_the_slopes_of_bursts_and_sequences_by_hand():
+    one_lane = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
+    # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call. All at once: 1 in
+    # 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others pays 1 ms more.
+    sequence = {
+        "size_bytes": 4096,
+        "lengths": [1, 16],
+        "seconds": [[3e-3] * 3, [18e-3] * 3],
+        "async_seconds": [[3e-3] * 3, [33e-3] * 3],
+    }
+    assert busy_launch_s(one_lane, sequence) == pytest.approx(1e-3)
+    # All at once no slower than one by one: nothing more to pay.
+    quick = {**sequence, "async_seconds": [[3e-3], [12e-3]]}
+    assert busy_launch_s(one_lane, quick) == 0
+    # Two lanes: no queue to pay for.
+    two_lanes = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 1.1e-3}]
+    assert busy_launch_s(two_lanes, sequence) == 0
 
 
 def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
@@ -115,10 +133,6 @@ def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
     plain, slow = cost_model(FIT, 4)(2**20), cost_model(FIT, 4, call_s=0.6e-3)(2**20)
     assert slow.latency_s == pytest.approx(plain.latency_s + 0.6e-3)
     assert slow.wire_s == plain.wire_s
-    # Two at once in 5 ms against 1 ms alone: with 0.6 ms more per call in a sequence,
-    # two one after the other are 3.2 ms, so the second pays 1.8 ms more, not 3.
-    measured = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
-    assert busy_launch_s(measured, call_s=0.6e-3) == pytest.approx(1.8e-3)
 
 
 def test_communications_slowdown_from_when_it_ended_by_hand():
@@ -132,6 +146,38 @@ def test_communications_slowdown_from_when_it_ended_by_hand():
     # Never faster than alone; and at most 1 / 0.05 slower (nothing done under backward).
     assert comm_slowdown([[1.5, 2.0]], alone_s=2.0) == 0
     assert comm_slowdown([[5.0, 2.0]], alone_s=2.0) == pytest.approx(19.0)
+
+
+def test_compute_slowed_by_small_all_reduces_by_hand():
+    # Compute alone 2 s. The burst ended at 1.5 s, the compute at 2.5: 0.5 s longer, all
+    # of it while the burst flew, so in 1.5 s it did 1 s of work: 1.5x, slowdown 0.5.
+    assert latency_slowdown([[1.5, 2.5]], compute_alone_s=2.0) == pytest.approx(0.5)
+    # The burst outlasted the compute, 3 s against 2 alone: slowed all through, 0.5.
+    assert latency_slowdown([[3.5, 3.0]], compute_alone_s=2.0) == pytest.approx(0.5)
+    # The median over repeats; never below 0 (the compute faster than alone).
+    assert latency_slowdown([[1.5, 2.5], [3.5, 3.0], [1.0, 2.0]], 2.0) == pytest.approx(0.5)
+    assert latency_slowdown([[1.0, 1.9]], compute_alone_s=2.0) == 0
+
+
+def test_latency_slowdowns_from_the_burst_under_compute_by_hand():
+    # 16 at once take 4 ms alone (one by one, 16: not what flies under the compute);
+    # under compute they ended at 8 ms: half speed, comm slowdown 1. The compute, 10 ms
+    # alone, took 12: 2 ms more within the burst's 8 ms, so 6 ms of work in 8: 1/3.
+    sequence = {
+        "size_bytes": 4096,
+        "lengths": [1, 16],
+        "seconds": [[1e-3] * 3, [16e-3] * 3],
+        "async_seconds": [[1e-3] * 3, [4e-3] * 3],
+        "under_compute": {
+            "matmuls": 100,
+            "compute_alone_s": [10e-3] * 3,
+            "with_burst_s": [[8e-3, 12e-3]] * 3,
+        },
+    }
+    assert latency_slowdowns(sequence) == {
+        "latency_slowdown": pytest.approx(1 / 3),
+        "comm_latency_slowdown": pytest.approx(1.0),
+    }
 
 
 def test_buffer_bytes_per_dtype_by_hand():

@@ -15,21 +15,29 @@ running `worker` (this module under torchrun), which measures, in this order:
    serves a process group with two worker threads, so two collectives can be in flight
    together; where two small ones take about as long as one, the model gets two lanes
    (`lanes`);
-3. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
+3. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
+   out=bucket_view)`, what bucketed and overlapped do to each gradient before its
+   all-reduce (and a copy of the same size after it), on every rank at once;
+4. small all-reduces in a sequence, interleaved in every repeat:
+   - a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
+     small all-reduces one after the other, as a stage issues its buckets. The sweep
+     starts every call from a barrier and times that call alone; in a sequence each
+     call measured 2-3 times that on two ranks (0.9 against 0.3 ms), and what a call
+     costs beyond the sweep's figure is added to every collective's latency;
+   - the same lengths launched all at once, then waited for: `busy_launch_s`, what a
+     call queued behind others costs beyond one issued after the last has ended;
+   - the 16 launched at once just before a longer compute, against each alone:
+     `latency_slowdown` and `comm_latency_slowdown`, how much longer compute takes
+     while small all-reduces fly, and they while it runs. A large all-reduce mostly
+     waits for the link, a small one for the cores (each message round wakes a
+     thread), so the two share the cores differently;
+5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
    longer than it: `slowdown` = backward with / backward without - 1, how much longer
    compute takes while communication runs on the same cores; and the other way round,
    from when that all-reduce ended against the same all-reduce alone, how much longer
-   communication takes while backward runs (`comm_slowdown`);
-4. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
-   out=bucket_view)`, what bucketed and overlapped do to each gradient before its
-   all-reduce (and a copy of the same size after it), on every rank at once;
-5. a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
-   small all-reduces one after the other, as a stage issues its buckets. The sweep
-   starts every call from a barrier and times that call alone; in a sequence each call
-   measured 2-3 times that on two ranks (0.9 against 0.3 ms), and what a call costs
-   beyond the sweep's figure is added to every collective's latency.
+   communication takes while backward runs (`comm_slowdown`).
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -78,6 +87,13 @@ SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
 SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
 SEQUENCE_REPEATS = 15
 SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a few ms)
+# The compute a burst of small all-reduces flies under: 4x the slowest of a first few
+# bursts alone, so that the burst ends inside it. Were it to end after, its tail would be
+# timed on free cores, and that tail is erratic: with a 2x compute sized from the median,
+# bursts of 6 ms alone once ended at 12-40 ms, under a compute of 9-15 ms.
+BURST_UNDER = 4.0
+PILOTS = 5
+MAX_UNDER_MATMULS = 4000
 ENV = "SIMULATE_CALIBRATION"
 
 
@@ -116,6 +132,10 @@ class Calibration:
     slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
     # model key -> communication's slowdown under backward (0 where not calibrated)
     comm_slowdowns: dict[str, float] = field(default_factory=dict)
+    # The same two while small all-reduces fly, in their latency, for the whole cluster
+    # (None where not calibrated: the model's slowdowns above stand in)
+    latency_slowdown: float | None = None
+    comm_latency_slowdown: float | None = None
     busy_launch_s: float = 0.0  # what a collective launched while another flies adds
     copy_s_per_byte: float = 0.0  # a stage's pass over a gradient (into or out of a bucket)
     buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
@@ -130,6 +150,8 @@ class Calibration:
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
             comm_slowdowns={k: m.get("comm_slowdown", 0.0) for k, m in data["models"].items()},
+            latency_slowdown=data.get("latency_slowdown"),
+            comm_latency_slowdown=data.get("comm_latency_slowdown"),
             busy_launch_s=data.get("busy_launch_s", 0.0),
             copy_s_per_byte=data.get("copy_s_per_byte", 0.0),
             buffer_bytes={k: m.get("buffer_bytes", []) for k, m in data["models"].items()},
@@ -142,25 +164,31 @@ def lanes(concurrency: list[dict]) -> int:
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
 
 
-def busy_launch_s(concurrency: list[dict], call_s: float = 0.0) -> float:
-    """With one lane, what the second of two small all-reduces launched together costs
-    beyond waiting for the first: two at once minus two one after the other, each
-    costing what it does alone plus `call_s` (as the model charges them)."""
+def busy_launch_s(concurrency: list[dict], sequence: dict) -> float:
+    """With one lane, what a small all-reduce launched while others fly or wait costs
+    beyond what it costs one after the other: the per-call slope of the sequences
+    launched all at once, less that of the sequences waited for call by call (each
+    extra call of a burst is queued behind the others). A slope over many calls: a
+    single pair launched together was measured at 0.6 to 2.9 ms from one calibration
+    to the next."""
     if lanes(concurrency) > 1:
         return 0.0
-    small = min(concurrency, key=lambda c: c["size_bytes"])
-    return max(0.0, small["two_s"] - 2 * (small["one_s"] + call_s))
+    return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
+
+
+def slope_s(sequence: dict, key: str = "seconds") -> float:
+    """Seconds per extra call: (the longer sequence - the shorter) / the calls between
+    them, from the medians of `sequence[key]` (one list of repeats per length)."""
+    (n_short, short), (n_long, long) = sorted(
+        zip(sequence["lengths"], map(statistics.median, sequence[key]), strict=True)
+    )
+    return (long - short) / (n_long - n_short)
 
 
 def call_s(sequence: dict, cost: CostModel) -> float:
-    """What a collective costs in a sequence beyond the cost model's figure for it:
-    (the longer sequence - the shorter) per call extra, less `cost` of its size; 0 if
-    the sequence is no slower."""
-    (n_short, short), (n_long, long) = sorted(
-        zip(sequence["lengths"], map(statistics.median, sequence["seconds"]), strict=True)
-    )
-    per_call = (long - short) / (n_long - n_short)
-    return max(0.0, per_call - cost(sequence["size_bytes"]).seconds)
+    """What a collective costs in a sequence beyond the cost model's figure for it: the
+    sequence's slope per call, less `cost` of its size; 0 if the sequence is no slower."""
+    return max(0.0, slope_s(sequence) - cost(sequence["size_bytes"]).seconds)
 
 
 MIN_COMM_RATE = 0.05  # communication never measured slower than this under backward
@@ -181,6 +209,38 @@ def comm_slowdown(with_backward: list[list[float]], alone_s: float) -> float:
             rate = (alone_s - (end_s - backward_s)) / backward_s
         rates.append(min(1.0, max(MIN_COMM_RATE, rate)))
     return 1 / statistics.median(rates) - 1
+
+
+def latency_slowdown(with_burst: list[list[float]], compute_alone_s: float) -> float:
+    """How much longer compute takes while small all-reduces fly, from repeats of
+    [seconds from a burst's launch to its end, the compute's seconds], both started
+    together, and the compute's seconds alone. Per repeat: the compute took `extra` =
+    with - alone longer, all of it while the burst flew. If the burst ended first, it
+    flew for `end`, in which the compute did end - extra of its work: slowdown = extra /
+    (end - extra); if not, it flew through all of it: with / alone - 1. The median over
+    repeats, never below 0."""
+    slowdowns = []
+    for end_s, compute_s in with_burst:
+        extra = compute_s - compute_alone_s
+        if extra < end_s < compute_s:
+            slowdowns.append(extra / (end_s - extra))
+        else:
+            slowdowns.append(compute_s / compute_alone_s - 1)
+    return max(0.0, statistics.median(slowdowns))
+
+
+def latency_slowdowns(sequence: dict) -> dict[str, float]:
+    """`latency_slowdown` and `comm_latency_slowdown` (see `comm_slowdown`) from the
+    sequence's burst flown under compute, against the same burst and compute alone."""
+    under = sequence["under_compute"]
+    longest = sequence["lengths"].index(max(sequence["lengths"]))
+    burst_alone_s = statistics.median(sequence["async_seconds"][longest])
+    return {
+        "latency_slowdown": latency_slowdown(
+            under["with_burst_s"], statistics.median(under["compute_alone_s"])
+        ),
+        "comm_latency_slowdown": comm_slowdown(under["with_burst_s"], burst_alone_s),
+    }
 
 
 def buffer_bytes(cfg: Config) -> list[int]:
@@ -240,7 +300,8 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "fit": fits[ALGORITHM],
         "call_s": extra_s,
         "lanes": lanes(result["concurrency"]),
-        "busy_launch_s": busy_launch_s(result["concurrency"], extra_s),
+        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"]),
+        **latency_slowdowns(result["sequence"]),
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
@@ -280,10 +341,10 @@ def worker(settings: dict) -> None:
             "concurrency": [_concurrency(n) for n in CONCURRENCY_BYTES],
             "copy_s_per_byte": _copy_s_per_byte(),
             "sequence": _sequence(),
-            "models": {
-                key: _model(Config(**cfg), largest_s / largest)
-                for key, cfg in settings["configs"].items()
-            },
+        }
+        result["models"] = {
+            key: _model(Config(**cfg), largest_s / largest)
+            for key, cfg in settings["configs"].items()
         }
         if rank == 0:
             Path(settings["out"]).write_text(json.dumps(result))
@@ -340,9 +401,18 @@ def _copy_s_per_byte() -> float:
 
 
 def _sequence() -> dict:
-    """Seconds (the slowest rank's, per repeat) from the end of some compute to the end
-    of each of `SEQUENCE_LENGTHS` small all-reduces issued one after the other; the
-    lengths interleaved in every repeat, so both see the same spells of the machine."""
+    """Small all-reduces, timed as the slowest rank's per repeat:
+
+    - from the end of some compute to the end of `SEQUENCE_LENGTHS` issued one after
+      the other ("seconds"), and all launched at once, then waited for
+      ("async_seconds");
+    - the longest burst launched at once just before a longer compute, against that
+      compute alone ("under_compute"): when the burst ended (each all-reduce stamps its
+      own end, on Gloo's thread) and when the compute did.
+
+    All of it interleaved in every repeat, so all see the same spells of the machine:
+    on two shared cores a small all-reduce's cost swings 2-3x from one second to the
+    next, and only ratios taken within a repeat hold still."""
     import torch
     import torch.distributed as dist
 
@@ -351,27 +421,97 @@ def _sequence() -> dict:
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
     for t in tensors:  # connections and buffers
         dist.all_reduce(t)
-    seconds: list[list[float]] = [[] for _ in SEQUENCE_LENGTHS]
+
+    def compute(n: int) -> None:
+        for _ in range(n):
+            a @ a
+
+    def one_by_one(n: int) -> None:
+        for t in tensors[:n]:
+            dist.all_reduce(t)
+
+    def all_at_once(n: int) -> None:
+        for work in [dist.all_reduce(t, async_op=True) for t in tensors[:n]]:
+            work.wait()
+
+    def timed(op: Callable[[], object]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        return time.perf_counter() - start
+
+    # The compute the burst flies under lasts BURST_UNDER times the burst alone (first
+    # timed roughly: the slowest of a few), so that the burst's end says how fast it
+    # went under compute.
+    longest = max(SEQUENCE_LENGTHS)
+    pilot = torch.tensor(
+        [max(timed(lambda: all_at_once(longest)) for _ in range(PILOTS)),
+         statistics.median(timed(lambda: compute(matmuls)) for _ in range(PILOTS))],
+        dtype=torch.float64,
+    )  # fmt: skip
+    dist.all_reduce(pilot, op=dist.ReduceOp.MAX)
+    burst_s, compute_s = pilot.tolist()
+    under = int(min(MAX_UNDER_MATMULS, math.ceil(matmuls * BURST_UNDER * burst_s / compute_s)))
+
+    def burst_under_compute() -> list[float]:
+        """[seconds from the launch to the burst's end, to the compute's end]."""
+        stamps: list[float] = []
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(t, async_op=True) for t in tensors[:longest]]
+        for work in works:
+            work.get_future().then(lambda _: stamps.append(time.perf_counter()))
+        compute(under)
+        compute_end = time.perf_counter()
+        for work in works:
+            work.wait()
+        while len(stamps) < len(works):  # the last callbacks may still be running
+            time.sleep(1e-5)
+        return [max(stamps) - start, compute_end - start]
+
+    ways = [(way, n) for way in (one_by_one, all_at_once) for n in SEQUENCE_LENGTHS]
+    seconds: list[list[float]] = [[] for _ in ways]
+    alone, together = [], []
     for _ in range(SEQUENCE_REPEATS):
-        for times, n in zip(seconds, SEQUENCE_LENGTHS, strict=True):
+        for times, (way, n) in zip(seconds, ways, strict=True):
             dist.barrier()
-            for _ in range(matmuls):
-                a @ a
+            compute(matmuls)
             start = time.perf_counter()
-            for t in tensors[:n]:
-                dist.all_reduce(t)
+            way(n)
             times.append(time.perf_counter() - start)
-    slowest = torch.tensor(seconds, dtype=torch.float64)
+        alone.append(timed(lambda: compute(under)))
+        together.append(burst_under_compute())
+    slowest = torch.tensor([*seconds, alone], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    medians_ms = [statistics.median(s) * 1e3 for s in slowest.tolist()]
+    rows = slowest.tolist()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, together)
+    # Of each repeat, the rank whose compute took longest (the last to finish: the one
+    # a step waits for), with its burst's end.
+    with_burst = [max(pairs, key=lambda p: p[1]) for pairs in zip(*gathered, strict=True)]
+    medians_ms = [
+        (statistics.median(s) * 1e3, way.__name__, n)
+        for s, (way, n) in zip(rows[: len(ways)], ways, strict=True)
+    ]
     _say(
-        "small all-reduces one after the other, "
-        + ", ".join(f"{n}: {m:.2f} ms" for n, m in zip(SEQUENCE_LENGTHS, medians_ms, strict=True))
+        "small all-reduces, "
+        + ", ".join(f"{n} {name.replace('_', ' ')}: {m:.2f} ms" for m, name, n in medians_ms)
+        + f"; {longest} at once under {under} matmuls: compute "
+        f"{statistics.median(rows[-1]) * 1e3:.2f} ms alone, "
+        f"{statistics.median(p[1] for p in with_burst) * 1e3:.2f} ms with them, which ended "
+        f"at {statistics.median(p[0] for p in with_burst) * 1e3:.2f} ms"
     )
+    n = len(SEQUENCE_LENGTHS)
     return {
         "size_bytes": SEQUENCE_BYTES,
         "lengths": list(SEQUENCE_LENGTHS),
-        "seconds": slowest.tolist(),
+        "seconds": rows[:n],
+        "async_seconds": rows[n : 2 * n],
+        "under_compute": {
+            "matmuls": under,
+            "compute_alone_s": rows[-1],
+            "with_burst_s": with_burst,
+        },
     }
 
 

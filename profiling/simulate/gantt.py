@@ -57,10 +57,14 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
             dataclasses.replace(overlap, accumulation_steps=ACCUMULATION_STEPS),
         ),
     }
-    slowdown = calibration.slowdowns.get("mlp", 0.0)
-    comm_slowdown = calibration.comm_slowdowns.get("mlp", 0.0)
+    slowdowns = (
+        calibration.slowdowns.get("mlp", 0.0),
+        calibration.comm_slowdowns.get("mlp", 0.0),
+        calibration.latency_slowdown,
+        calibration.comm_latency_slowdown,
+    )
     return {
-        stage: simulate(workload, layout, calibration.cost, schedule, slowdown, comm_slowdown)
+        stage: simulate(workload, layout, calibration.cost, schedule, *slowdowns)
         for stage, (layout, schedule) in plans.items()
     }
 

@@ -15,6 +15,10 @@ It knows nothing of torch. What it is given:
   backward computes on the same cores. Over a virtual network the kernel's TCP and
   Gloo's threads move every byte on the CPU, so the link is only as fast as the cores
   left to it.
+- `latency_slowdown`, `comm_latency_slowdown`: the same two while a collective is in
+  its latency rather than on the wire. A large all-reduce mostly waits for the link, a
+  small one for the cores (each message round wakes a thread), so the two share the
+  cores differently; not given, they are `slowdown` and `comm_slowdown`.
 
 What a stage does with them (`StageSchedule`):
 
@@ -23,9 +27,11 @@ What a stage does with them (`StageSchedule`):
 - overlapped (overlapped, skip_sync, drop_in): a bucket is launched once all its
   gradients are ready and every earlier bucket was launched (buckets go out in bucket
   order on every rank), into a queue served one collective at a time; backward goes on
-  at 1 / (1 + slowdown) of its speed while a collective is in flight, and a collective
-  at 1 / (1 + comm_slowdown) of its speed while backward runs. The step waits for the
-  last collective, then runs the optimizer;
+  at 1 / (1 + slowdown) of its speed while a collective is on the wire (1 / (1 +
+  latency_slowdown) while one is in its latency), and a collective at 1 / (1 +
+  comm_slowdown) of its speed on the wire (1 / (1 + comm_latency_slowdown) in its
+  latency) while backward runs. The step waits for the last collective, then runs the
+  optimizer;
 - `busy_launch_s`: a collective launched while another is in flight or waiting pays
   this much more latency (measured: on two shared cores, two small all-reduces at once
   take far longer than one after the other);
@@ -144,6 +150,8 @@ def simulate(
     schedule: StageSchedule,
     slowdown: float = 0.0,
     comm_slowdown: float = 0.0,
+    latency_slowdown: float | None = None,
+    comm_latency_slowdown: float | None = None,
 ) -> Step:
     """One step of a stage whose buckets (lists of indices into workload.grads, in the
     order they are all-reduced) are `buckets`. Naive is one bucket per gradient, in
@@ -160,6 +168,8 @@ def simulate(
         t = _overlapped_backward(
             step, t, _copying_in(workload, copy_in), buckets, cost, schedule,
             slowdown, comm_slowdown,
+            slowdown if latency_slowdown is None else latency_slowdown,
+            comm_slowdown if comm_latency_slowdown is None else comm_latency_slowdown,
         )  # fmt: skip
     else:
         t = _compute(step, t, "backward", workload.backward_s)
@@ -229,6 +239,8 @@ def _overlapped_backward(
     schedule: StageSchedule,
     slowdown: float,
     comm_slowdown: float,
+    latency_slowdown: float,
+    comm_latency_slowdown: float,
 ) -> float:
     """Backward with buckets launched as they fill; returns when the last collective
     ends (or backward, if later). An event loop: at each turn, find the next thing to
@@ -262,10 +274,16 @@ def _overlapped_backward(
         if backward_end is not None and not flying and next_launch == len(buckets):
             return _copies_out(step, backward_end, ends, workload, buckets, schedule)
         # Rates: backward slows while anything is in flight, and communication while
-        # backward runs; wires share the link.
-        compute_rate = 1.0 / (1.0 + slowdown) if flying else 1.0
-        comm_rate = 1.0 / (1.0 + comm_slowdown) if backward_end is None else 1.0
+        # backward runs, each by the slowdown of the phase the collective is in (with
+        # two lanes, the larger); wires share the link.
         on_wire = [f for f in flying if f.latency_left_s <= 0]
+        in_latency = len(on_wire) < len(flying)
+        compute_rate = 1.0 / (1.0 + max(
+            slowdown if on_wire else 0.0, latency_slowdown if in_latency else 0.0
+        ))  # fmt: skip
+        backward_on = backward_end is None
+        comm_rate = 1.0 / (1.0 + comm_slowdown) if backward_on else 1.0
+        latency_rate = 1.0 / (1.0 + comm_latency_slowdown) if backward_on else 1.0
         wire_rate = comm_rate / len(on_wire) if on_wire else comm_rate
         candidates = []
         if backward_end is None:
@@ -274,7 +292,9 @@ def _overlapped_backward(
             candidates.append((target - done_s) / compute_rate)
         for f in flying:
             left = (
-                f.latency_left_s / comm_rate if f.latency_left_s > 0 else f.wire_left_s / wire_rate
+                f.latency_left_s / latency_rate
+                if f.latency_left_s > 0
+                else f.wire_left_s / wire_rate
             )
             candidates.append(left)
         dt = max(0.0, min(candidates))
@@ -284,7 +304,7 @@ def _overlapped_backward(
             done_s += dt * compute_rate
         for f in flying:
             if f.latency_left_s > 0:
-                f.latency_left_s -= dt * comm_rate
+                f.latency_left_s -= dt * latency_rate
             else:
                 f.wire_left_s -= dt * wire_rate
         # Act: gradients that are now ready, backward's end, collectives that ended.

@@ -167,6 +167,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
     step = simulate(
         workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model],
         calibration.comm_slowdowns.get(run.model, 0.0),
+        calibration.latency_slowdown, calibration.comm_latency_slowdown,
     )  # fmt: skip
     return {
         "predicted_ms": step.step_s * 1e3,
@@ -449,7 +450,12 @@ def markdown(data: dict) -> str:
                     f"{c.get('call_s', 0) * 1e3:.2f}",
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
-                    f"{m['slowdown']:+.2f} / {m.get('comm_slowdown', 0):+.2f}",
+                    f"{m['slowdown']:+.2f} / {m.get('comm_slowdown', 0):+.2f}"
+                    + (
+                        f"; {c['latency_slowdown']:+.2f} / {c['comm_latency_slowdown']:+.2f}"
+                        if "latency_slowdown" in c
+                        else ""
+                    ),
                     f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}",
                     f"{c['load_average_before'][0]:.1f}",
                 ]
@@ -464,7 +470,7 @@ def markdown(data: dict) -> str:
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "in a sequence, per call +ms",
                 "forward / backward / optimizer ms",
-                "slowdown of compute / of communication",
+                "slowdown of compute / of communication; with small all-reduces",
                 "copy ms/MiB",
                 "load",
             ],
