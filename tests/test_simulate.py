@@ -69,21 +69,23 @@ def test_communication_slowed_while_backward_runs():
 
 def test_latency_bound_collectives_slowed_apart_from_the_wire_by_hand():
     # Small all-reduces wait for the cores, large ones for the link: here only a
-    # collective's latency slows backward (to half speed) and is slowed by it (half
-    # speed); its wire phase neither. "last" ready at 3: latency 3-5 (1 s at half
-    # speed), backward 1 s of work in it (2 in all); wire 5-6, backward at full speed
-    # (3 in all): "first" ready at 6, its latency 6-8 with backward's last second at
-    # half speed, both done at 8; its wire 8-9 alone. Optimizer 9-10.
+    # collective's latency slows backward (to half speed) and is slowed by it (to a
+    # third); its wire phase neither. "last" ready at 3: latency 3-6 (1 s at a third),
+    # backward 1.5 s of work in it (2.5 in all); wire 6-7, backward at full speed:
+    # "first" ready at 6.5, queued; backward 3.5 at 7. "first"'s latency from 7, with
+    # backward at half speed: backward done at 8, a third of the latency by then, the
+    # rest at full speed to 8 2/3; its wire to 9 2/3. Optimizer to 10 2/3.
     step = simulate(
         TWO, [[1], [0]], COST, StageSchedule(overlap=True),
-        latency_slowdown=1.0, comm_latency_slowdown=1.0,
+        latency_slowdown=1.0, comm_latency_slowdown=2.0,
     )  # fmt: skip
-    assert bars(step, "comm") == [("last", 3, 6), ("first", 6, 9)]
+    assert bars(step, "comm") == [("last", 3, 7), ("first", 7, 29 / 3)]
     assert ("backward", 2, 8) in bars(step, "compute")
-    assert step.step_s == pytest.approx(10.0)
+    assert step.step_s == pytest.approx(32 / 3)
     # Not given, they are the slowdowns of the whole collective: here none, as in
     # test_two_buckets_overlapped.
-    assert simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True)).step_s == 8.0
+    plain = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True))
+    assert plain.step_s == pytest.approx(8.0)
 
 
 def test_one_bucket_waits_for_the_whole_backward():

@@ -102,21 +102,25 @@ def test_lanes_from_two_all_reduces_at_once():
 
 def test_busy_launch_from_the_slopes_of_bursts_and_sequences_by_hand():
     one_lane = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
-    # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call. All at once: 1 in
-    # 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others pays 1 ms more.
+    # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call (the fit: 0.4 ms).
+    # All at once: 1 in 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others
+    # pays 1 ms more.
     sequence = {
         "size_bytes": 4096,
         "lengths": [1, 16],
         "seconds": [[3e-3] * 3, [18e-3] * 3],
         "async_seconds": [[3e-3] * 3, [33e-3] * 3],
     }
-    assert busy_launch_s(one_lane, sequence) == pytest.approx(1e-3)
+    assert busy_launch_s(one_lane, sequence, linear_cost(0.4e-3, 0)) == pytest.approx(1e-3)
+    # Where the fit (1.5 ms) is above the sequence's slope, the model charges the fit
+    # for a call one after the other (call_s is never negative): 0.5 ms more.
+    assert busy_launch_s(one_lane, sequence, linear_cost(1.5e-3, 0)) == pytest.approx(0.5e-3)
     # All at once no slower than one by one: nothing more to pay.
     quick = {**sequence, "async_seconds": [[3e-3], [12e-3]]}
-    assert busy_launch_s(one_lane, quick) == 0
+    assert busy_launch_s(one_lane, quick, linear_cost(0.4e-3, 0)) == 0
     # Two lanes: no queue to pay for.
     two_lanes = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 1.1e-3}]
-    assert busy_launch_s(two_lanes, sequence) == 0
+    assert busy_launch_s(two_lanes, sequence, linear_cost(0.4e-3, 0)) == 0
 
 
 def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
@@ -149,35 +153,41 @@ def test_communications_slowdown_from_when_it_ended_by_hand():
 
 
 def test_compute_slowed_by_small_all_reduces_by_hand():
-    # Compute alone 2 s. The burst ended at 1.5 s, the compute at 2.5: 0.5 s longer, all
-    # of it while the burst flew, so in 1.5 s it did 1 s of work: 1.5x, slowdown 0.5.
-    assert latency_slowdown([[1.5, 2.5]], compute_alone_s=2.0) == pytest.approx(0.5)
+    # [burst's end, compute's end, compute alone]. Alone 2 s; the burst ended at 1.5 s,
+    # the compute at 2.5: 0.5 s longer, all of it while the burst flew, so in 1.5 s it
+    # did 1 s of work: 1.5x, slowdown 0.5.
+    assert latency_slowdown([[1.5, 2.5, 2.0]]) == pytest.approx(0.5)
     # The burst outlasted the compute, 3 s against 2 alone: slowed all through, 0.5.
-    assert latency_slowdown([[3.5, 3.0]], compute_alone_s=2.0) == pytest.approx(0.5)
+    assert latency_slowdown([[3.5, 3.0, 2.0]]) == pytest.approx(0.5)
+    # Lost more (1 s) than the burst flew (0.5 s): the uniform rate cannot place it,
+    # so the whole compute's 3 s against 2.
+    assert latency_slowdown([[0.5, 3.0, 2.0]]) == pytest.approx(0.5)
+    # Each repeat against its own compute alone: 2, -0.25 and 2 (1 s more in a burst of
+    # 1.5), median 2; against the median alone (2.5 s) they would be 0.5, -0.25, 0.6.
+    assert latency_slowdown([[1.5, 3.0, 2.0], [1.5, 2.0, 2.5], [1.5, 4.0, 3.0]]) == 2
     # The median over repeats; never below 0 (the compute faster than alone).
-    assert latency_slowdown([[1.5, 2.5], [3.5, 3.0], [1.0, 2.0]], 2.0) == pytest.approx(0.5)
-    assert latency_slowdown([[1.0, 1.9]], compute_alone_s=2.0) == 0
+    assert latency_slowdown([[1.5, 2.5, 2.0], [3.5, 3.0, 2.0], [1.0, 2.0, 2.0]]) == 0.5
+    assert latency_slowdown([[1.0, 1.9, 2.0]]) == 0
 
 
 def test_latency_slowdowns_from_the_burst_under_compute_by_hand():
-    # 16 at once take 4 ms alone (one by one, 16: not what flies under the compute);
-    # under compute they ended at 8 ms: half speed, comm slowdown 1. The compute, 10 ms
-    # alone, took 12: 2 ms more within the burst's 8 ms, so 6 ms of work in 8: 1/3.
-    sequence = {
-        "size_bytes": 4096,
-        "lengths": [1, 16],
-        "seconds": [[1e-3] * 3, [16e-3] * 3],
-        "async_seconds": [[1e-3] * 3, [4e-3] * 3],
-        "under_compute": {
-            "matmuls": 100,
-            "compute_alone_s": [10e-3] * 3,
-            "with_burst_s": [[8e-3, 12e-3]] * 3,
-        },
-    }
+    # Per repeat [burst's end, compute's end, compute alone, burst alone]. The burst,
+    # 4 ms alone, ended at 8 ms under compute: half speed, comm slowdown 1. The compute,
+    # 10 ms alone, took 12: 2 ms more within the burst's 8 ms, so 6 ms of work in 8:
+    # 1/3. The third repeat's burst alone took 8 ms, as long as under compute: it is
+    # no slower there, whatever the other repeats' burst alone.
+    repeats = [[8e-3, 12e-3, 10e-3, 4e-3]] * 2 + [[8e-3, 12e-3, 10e-3, 8e-3]]
+    sequence = {"under_compute": {"matmuls": 100, "repeats": repeats}}
     assert latency_slowdowns(sequence) == {
         "latency_slowdown": pytest.approx(1 / 3),
         "comm_latency_slowdown": pytest.approx(1.0),
     }
+    # Per repeat, comm slowdowns 1 (4 ms in 8), 0 (8 in 8) and 2 (the burst ended 4 ms
+    # after the compute, so 4 of its 8 ms of work took the compute's 12): median 1.
+    # Against the median burst alone (8 ms) the first would be 0, and the median 0.
+    repeats = [[8e-3, 12e-3, 10e-3, 4e-3], [8e-3, 12e-3, 10e-3, 8e-3], [16e-3, 12e-3, 10e-3, 8e-3]]
+    sequence = {"under_compute": {"matmuls": 100, "repeats": repeats}}
+    assert latency_slowdowns(sequence)["comm_latency_slowdown"] == pytest.approx(1.0)
 
 
 def test_buffer_bytes_per_dtype_by_hand():

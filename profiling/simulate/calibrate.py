@@ -92,8 +92,8 @@ SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a fe
 # timed on free cores, and that tail is erratic: with a 2x compute sized from the median,
 # bursts of 6 ms alone once ended at 12-40 ms, under a compute of 9-15 ms.
 BURST_UNDER = 4.0
-PILOTS = 5
-MAX_UNDER_MATMULS = 4000
+PILOTS = 5  # first bursts and computes timed to size the compute
+MAX_UNDER_MATMULS = 4000  # about 0.8 s on 2 ranks: a first slow burst costs no more
 ENV = "SIMULATE_CALIBRATION"
 
 
@@ -164,16 +164,18 @@ def lanes(concurrency: list[dict]) -> int:
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
 
 
-def busy_launch_s(concurrency: list[dict], sequence: dict) -> float:
+def busy_launch_s(concurrency: list[dict], sequence: dict, cost: CostModel) -> float:
     """With one lane, what a small all-reduce launched while others fly or wait costs
-    beyond what it costs one after the other: the per-call slope of the sequences
-    launched all at once, less that of the sequences waited for call by call (each
-    extra call of a burst is queued behind the others). A slope over many calls: a
-    single pair launched together was measured at 0.6 to 2.9 ms from one calibration
-    to the next."""
+    beyond what the model charges it one after the other: the per-call slope of the
+    sequences launched all at once (each extra call of a burst is queued behind the
+    others), less the larger of the slope waited for call by call and `cost` of its
+    size (`call_s` never goes below 0, so the model charges at least the fit). A slope
+    over many calls: a single pair launched together was measured at 0.62 to 3.71 ms
+    from one calibration to the next."""
     if lanes(concurrency) > 1:
         return 0.0
-    return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
+    charged = max(slope_s(sequence), cost(sequence["size_bytes"]).seconds)
+    return max(0.0, slope_s(sequence, "async_seconds") - charged)
 
 
 def slope_s(sequence: dict, key: str = "seconds") -> float:
@@ -211,35 +213,36 @@ def comm_slowdown(with_backward: list[list[float]], alone_s: float) -> float:
     return 1 / statistics.median(rates) - 1
 
 
-def latency_slowdown(with_burst: list[list[float]], compute_alone_s: float) -> float:
+def latency_slowdown(repeats: list[list[float]]) -> float:
     """How much longer compute takes while small all-reduces fly, from repeats of
-    [seconds from a burst's launch to its end, the compute's seconds], both started
-    together, and the compute's seconds alone. Per repeat: the compute took `extra` =
-    with - alone longer, all of it while the burst flew. If the burst ended first, it
-    flew for `end`, in which the compute did end - extra of its work: slowdown = extra /
-    (end - extra); if not, it flew through all of it: with / alone - 1. The median over
-    repeats, never below 0."""
+    [seconds from a burst's launch to its end, to the compute's end (both started
+    together), the same compute alone]. Per repeat: the compute took `extra` = with -
+    alone longer, all of it while the burst flew. If the burst ended first, it flew for
+    `end`, in which the compute did end - extra of its work: slowdown = extra / (end -
+    extra). Otherwise (the burst flew through all of the compute, or the compute lost
+    more than the burst's whole flight, which the uniform rate cannot place): with /
+    alone - 1. The median over repeats, never below 0."""
     slowdowns = []
-    for end_s, compute_s in with_burst:
-        extra = compute_s - compute_alone_s
+    for end_s, compute_s, alone_s, *_ in repeats:
+        extra = compute_s - alone_s
         if extra < end_s < compute_s:
             slowdowns.append(extra / (end_s - extra))
         else:
-            slowdowns.append(compute_s / compute_alone_s - 1)
+            slowdowns.append(compute_s / alone_s - 1)
     return max(0.0, statistics.median(slowdowns))
 
 
 def latency_slowdowns(sequence: dict) -> dict[str, float]:
-    """`latency_slowdown` and `comm_latency_slowdown` (see `comm_slowdown`) from the
-    sequence's burst flown under compute, against the same burst and compute alone."""
-    under = sequence["under_compute"]
-    longest = sequence["lengths"].index(max(sequence["lengths"]))
-    burst_alone_s = statistics.median(sequence["async_seconds"][longest])
+    """`latency_slowdown`, and `comm_latency_slowdown` (`comm_slowdown` per repeat, the
+    burst against its own repeat's burst alone, then the median), from the sequence's
+    burst flown under compute."""
+    repeats = sequence["under_compute"]["repeats"]
     return {
-        "latency_slowdown": latency_slowdown(
-            under["with_burst_s"], statistics.median(under["compute_alone_s"])
+        "latency_slowdown": latency_slowdown(repeats),
+        "comm_latency_slowdown": statistics.median(
+            comm_slowdown([[end_s, compute_s]], burst_alone_s)
+            for end_s, compute_s, _, burst_alone_s in repeats
         ),
-        "comm_latency_slowdown": comm_slowdown(under["with_burst_s"], burst_alone_s),
     }
 
 
@@ -293,14 +296,15 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     fits = fit(medians([sweep]), measure_gamma([sweep]))
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
-    extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
+    fitted = cost_model(fits[ALGORITHM], world_size)
+    extra_s = call_s(result["sequence"], fitted)
     return {
         "rate": rate,
         "world_size": world_size,
         "fit": fits[ALGORITHM],
         "call_s": extra_s,
         "lanes": lanes(result["concurrency"]),
-        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"]),
+        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"], fitted),
         **latency_slowdowns(result["sequence"]),
         "load_average_before": load_before,
         "load_average_after": load_average(),
@@ -406,13 +410,14 @@ def _sequence() -> dict:
     - from the end of some compute to the end of `SEQUENCE_LENGTHS` issued one after
       the other ("seconds"), and all launched at once, then waited for
       ("async_seconds");
-    - the longest burst launched at once just before a longer compute, against that
-      compute alone ("under_compute"): when the burst ended (each all-reduce stamps its
-      own end, on Gloo's thread) and when the compute did.
+    - the longest burst launched at once just before a longer compute ("under_compute"):
+      when the burst ended (each all-reduce stamps its own end as it completes) and when
+      the compute did, with the same compute alone and the same burst alone, each
+      started from a barrier.
 
     All of it interleaved in every repeat, so all see the same spells of the machine:
     on two shared cores a small all-reduce's cost swings 2-3x from one second to the
-    next, and only ratios taken within a repeat hold still."""
+    next, so each repeat's figures are compared with that repeat's own."""
     import torch
     import torch.distributed as dist
 
@@ -453,25 +458,23 @@ def _sequence() -> dict:
     burst_s, compute_s = pilot.tolist()
     under = int(min(MAX_UNDER_MATMULS, math.ceil(matmuls * BURST_UNDER * burst_s / compute_s)))
 
-    def burst_under_compute() -> list[float]:
-        """[seconds from the launch to the burst's end, to the compute's end]."""
-        stamps: list[float] = []
+    def burst_with_compute(calls: int, matmuls: int) -> tuple[float, float]:
+        """`calls` small all-reduces launched at once, then `matmuls`: seconds from the
+        launch to the last all-reduce's end, and to the compute's end."""
         dist.barrier()
         start = time.perf_counter()
-        works = [dist.all_reduce(t, async_op=True) for t in tensors[:longest]]
-        for work in works:
-            work.get_future().then(lambda _: stamps.append(time.perf_counter()))
-        compute(under)
+        ends = []  # each all-reduce stamps its own end as it completes (on Gloo's thread)
+        for t in tensors[:calls]:
+            work = dist.all_reduce(t, async_op=True)
+            ends.append(work.get_future().then(lambda _: time.perf_counter()))
+        compute(matmuls)
         compute_end = time.perf_counter()
-        for work in works:
-            work.wait()
-        while len(stamps) < len(works):  # the last callbacks may still be running
-            time.sleep(1e-5)
-        return [max(stamps) - start, compute_end - start]
+        stamps = torch.futures.wait_all(ends)  # the callbacks' own stamps
+        return max(stamps, default=start) - start, compute_end - start
 
     ways = [(way, n) for way in (one_by_one, all_at_once) for n in SEQUENCE_LENGTHS]
     seconds: list[list[float]] = [[] for _ in ways]
-    alone, together = [], []
+    under_compute = []  # per repeat: [burst's end, compute's end, compute alone, burst alone]
     for _ in range(SEQUENCE_REPEATS):
         for times, (way, n) in zip(seconds, ways, strict=True):
             dist.barrier()
@@ -479,27 +482,28 @@ def _sequence() -> dict:
             start = time.perf_counter()
             way(n)
             times.append(time.perf_counter() - start)
-        alone.append(timed(lambda: compute(under)))
-        together.append(burst_under_compute())
-    slowest = torch.tensor([*seconds, alone], dtype=torch.float64)
+        together = burst_with_compute(longest, under)
+        _, compute_alone = burst_with_compute(0, under)
+        burst_alone, _ = burst_with_compute(longest, 0)
+        under_compute.append([*together, compute_alone, burst_alone])
+    slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rows = slowest.tolist()
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, together)
-    # Of each repeat, the rank whose compute took longest (the last to finish: the one
-    # a step waits for), with its burst's end.
-    with_burst = [max(pairs, key=lambda p: p[1]) for pairs in zip(*gathered, strict=True)]
+    dist.all_gather_object(gathered, under_compute)
+    # Of each repeat, the rank whose compute took longest with the burst (the last to
+    # finish: the one a step waits for), all four of its figures on its own clock.
+    repeats = [max(ranks, key=lambda r: r[1]) for ranks in zip(*gathered, strict=True)]
     medians_ms = [
         (statistics.median(s) * 1e3, way.__name__, n)
-        for s, (way, n) in zip(rows[: len(ways)], ways, strict=True)
+        for s, (way, n) in zip(rows, ways, strict=True)
     ]
+    end, with_, alone, burst = (statistics.median(r[k] for r in repeats) * 1e3 for k in range(4))
     _say(
         "small all-reduces, "
         + ", ".join(f"{n} {name.replace('_', ' ')}: {m:.2f} ms" for m, name, n in medians_ms)
-        + f"; {longest} at once under {under} matmuls: compute "
-        f"{statistics.median(rows[-1]) * 1e3:.2f} ms alone, "
-        f"{statistics.median(p[1] for p in with_burst) * 1e3:.2f} ms with them, which ended "
-        f"at {statistics.median(p[0] for p in with_burst) * 1e3:.2f} ms"
+        + f"; {longest} at once ({burst:.2f} ms alone) under {under} matmuls ({alone:.2f} ms "
+        f"alone): the compute {with_:.2f} ms, the burst ended at {end:.2f} ms"
     )
     n = len(SEQUENCE_LENGTHS)
     return {
@@ -507,11 +511,7 @@ def _sequence() -> dict:
         "lengths": list(SEQUENCE_LENGTHS),
         "seconds": rows[:n],
         "async_seconds": rows[n : 2 * n],
-        "under_compute": {
-            "matmuls": under,
-            "compute_alone_s": rows[-1],
-            "with_burst_s": with_burst,
-        },
+        "under_compute": {"matmuls": under, "repeats": repeats},
     }
 
 

@@ -8,7 +8,7 @@ The workload is the one `profiling.course_timelines` traces (the benchmarks' MLP
 2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
 measured here on one process with one thread (`inputs.measure_workload`), so each page
 can set the model's step beside the measured one. The collective cost, the lanes and
-the slowdown come from a validation's calibration on the same cluster (1 Gbit/s, 2 ranks),
+the slowdowns come from a validation's calibration on the same cluster (1 Gbit/s, 2 ranks),
 read from its JSON (`validate --json`); nothing else is run.
 """
 

@@ -277,10 +277,8 @@ def _overlapped_backward(
         # backward runs, each by the slowdown of the phase the collective is in (with
         # two lanes, the larger); wires share the link.
         on_wire = [f for f in flying if f.latency_left_s <= 0]
-        in_latency = len(on_wire) < len(flying)
-        compute_rate = 1.0 / (1.0 + max(
-            slowdown if on_wire else 0.0, latency_slowdown if in_latency else 0.0
-        ))  # fmt: skip
+        phases = [slowdown] * bool(on_wire) + [latency_slowdown] * (len(on_wire) < len(flying))
+        compute_rate = 1.0 / (1.0 + max(phases)) if phases else 1.0
         backward_on = backward_end is None
         comm_rate = 1.0 / (1.0 + comm_slowdown) if backward_on else 1.0
         latency_rate = 1.0 / (1.0 + comm_latency_slowdown) if backward_on else 1.0
