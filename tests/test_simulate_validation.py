@@ -102,25 +102,21 @@ def test_lanes_from_two_all_reduces_at_once():
 
 def test_busy_launch_from_the_slopes_of_bursts_and_sequences_by_hand():
     one_lane = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
-    # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call (the fit: 0.4 ms).
-    # All at once: 1 in 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others
-    # pays 1 ms more.
+    # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call. All at once: 1 in
+    # 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others pays 1 ms more.
     sequence = {
         "size_bytes": 4096,
         "lengths": [1, 16],
         "seconds": [[3e-3] * 3, [18e-3] * 3],
         "async_seconds": [[3e-3] * 3, [33e-3] * 3],
     }
-    assert busy_launch_s(one_lane, sequence, linear_cost(0.4e-3, 0)) == pytest.approx(1e-3)
-    # Where the fit (1.5 ms) is above the sequence's slope, the model charges the fit
-    # for a call one after the other (call_s is never negative): 0.5 ms more.
-    assert busy_launch_s(one_lane, sequence, linear_cost(1.5e-3, 0)) == pytest.approx(0.5e-3)
+    assert busy_launch_s(one_lane, sequence) == pytest.approx(1e-3)
     # All at once no slower than one by one: nothing more to pay.
     quick = {**sequence, "async_seconds": [[3e-3], [12e-3]]}
-    assert busy_launch_s(one_lane, quick, linear_cost(0.4e-3, 0)) == 0
+    assert busy_launch_s(one_lane, quick) == 0
     # Two lanes: no queue to pay for.
     two_lanes = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 1.1e-3}]
-    assert busy_launch_s(two_lanes, sequence, linear_cost(0.4e-3, 0)) == 0
+    assert busy_launch_s(two_lanes, sequence) == 0
 
 
 def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
@@ -129,14 +125,17 @@ def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
     sequence = {"size_bytes": 4096, "lengths": [1, 16], "seconds": [[3e-3] * 3, [18e-3] * 3]}
     fitted = linear_cost(0.4e-3, 0.0)
     assert call_s(sequence, fitted) == pytest.approx(0.6e-3)
-    # Listed the other way round, the slope is the same; a sequence no slower adds 0.
+    # Listed the other way round, the slope is the same. 0.2 ms a call, below the fit:
+    # each call costs 0.2 ms less in a sequence.
     backwards = {**sequence, "lengths": [16, 1], "seconds": [[18e-3], [3e-3]]}
     assert call_s(backwards, fitted) == pytest.approx(0.6e-3)
-    assert call_s({**sequence, "seconds": [[3e-3], [6e-3]]}, fitted) == 0
+    assert call_s({**sequence, "seconds": [[3e-3], [6e-3]]}, fitted) == pytest.approx(-0.2e-3)
     # Added to every collective's latency, whatever its size; the wire is untouched.
     plain, slow = cost_model(FIT, 4)(2**20), cost_model(FIT, 4, call_s=0.6e-3)(2**20)
     assert slow.latency_s == pytest.approx(plain.latency_s + 0.6e-3)
     assert slow.wire_s == plain.wire_s
+    # Less, but never below nothing.
+    assert cost_model(FIT, 4, call_s=-1.0)(2**20).latency_s == 0
 
 
 def test_communications_slowdown_from_when_it_ended_by_hand():

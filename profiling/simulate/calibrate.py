@@ -23,7 +23,7 @@ running `worker` (this module under torchrun), which measures, in this order:
      small all-reduces one after the other, as a stage issues its buckets. The sweep
      starts every call from a barrier and times that call alone; in a sequence each
      call measured 2-3 times that on two ranks (0.9 against 0.3 ms), and what a call
-     costs beyond the sweep's figure is added to every collective's latency;
+     costs beyond (or short of) the sweep's figure goes to every collective's latency;
    - the same lengths launched all at once, then waited for: `busy_launch_s`, what a
      call queued behind others costs beyond one issued after the last has ended;
    - the 16 launched at once just before a longer compute, against each alone:
@@ -102,15 +102,16 @@ def cost_model(
     fit: dict, world_size: int, algorithm: str = ALGORITHM, call_s: float = 0.0
 ) -> CostModel:
     """The fitted alpha-beta-gamma model as a `Cost` per size: latency = call_s + steps *
-    alpha + bytes added * gamma (what a call costs in a sequence beyond the sweep's
-    figure, message rounds, the reduction: what no other collective slows), wire = sum
-    over phases of max(0, phase bytes - free_bytes) * beta (what holds the link)."""
+    alpha + bytes added * gamma (what a call costs in a sequence beyond or short of the
+    sweep's figure, message rounds, the reduction: what no other collective slows), never
+    below 0; wire = sum over phases of max(0, phase bytes - free_bytes) * beta (what
+    holds the link)."""
 
     def cost(nbytes: int) -> Cost:
         c = counts(algorithm, world_size, nbytes)
         wire = sum(max(0.0, phase - fit["free_bytes"]) for phase in c.phases)
         return Cost(
-            latency_s=call_s + c.steps * fit["alpha_s"] + c.added * fit["gamma"],
+            latency_s=max(0.0, call_s + c.steps * fit["alpha_s"] + c.added * fit["gamma"]),
             wire_s=wire * fit["beta_s_per_byte"],
         )
 
@@ -164,18 +165,16 @@ def lanes(concurrency: list[dict]) -> int:
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
 
 
-def busy_launch_s(concurrency: list[dict], sequence: dict, cost: CostModel) -> float:
+def busy_launch_s(concurrency: list[dict], sequence: dict) -> float:
     """With one lane, what a small all-reduce launched while others fly or wait costs
-    beyond what the model charges it one after the other: the per-call slope of the
-    sequences launched all at once (each extra call of a burst is queued behind the
-    others), less the larger of the slope waited for call by call and `cost` of its
-    size (`call_s` never goes below 0, so the model charges at least the fit). A slope
-    over many calls: a single pair launched together was measured at 0.62 to 3.71 ms
-    from one calibration to the next."""
+    beyond one issued after the last has ended (what the model charges with `call_s`):
+    the per-call slope of the sequences launched all at once (each extra call of a
+    burst is queued behind the others), less that of the sequences waited for call by
+    call. A slope over many calls: a single pair launched together was measured at
+    0.62 to 3.71 ms from one calibration to the next."""
     if lanes(concurrency) > 1:
         return 0.0
-    charged = max(slope_s(sequence), cost(sequence["size_bytes"]).seconds)
-    return max(0.0, slope_s(sequence, "async_seconds") - charged)
+    return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
 
 
 def slope_s(sequence: dict, key: str = "seconds") -> float:
@@ -189,8 +188,11 @@ def slope_s(sequence: dict, key: str = "seconds") -> float:
 
 def call_s(sequence: dict, cost: CostModel) -> float:
     """What a collective costs in a sequence beyond the cost model's figure for it: the
-    sequence's slope per call, less `cost` of its size; 0 if the sequence is no slower."""
-    return max(0.0, slope_s(sequence) - cost(sequence["size_bytes"]).seconds)
+    sequence's slope per call, less `cost` of its size. Negative where a call costs less
+    in a sequence than the sweep's fit says: on 4 ranks the fit's small all-reduce (each
+    timed from a barrier) came out 1-3 ms above the slope, and held at 0 it put naive
+    with 17 small gradients 18% long."""
+    return slope_s(sequence) - cost(sequence["size_bytes"]).seconds
 
 
 MIN_COMM_RATE = 0.05  # communication never measured slower than this under backward
@@ -296,15 +298,14 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     fits = fit(medians([sweep]), measure_gamma([sweep]))
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
-    fitted = cost_model(fits[ALGORITHM], world_size)
-    extra_s = call_s(result["sequence"], fitted)
+    extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
     return {
         "rate": rate,
         "world_size": world_size,
         "fit": fits[ALGORITHM],
         "call_s": extra_s,
         "lanes": lanes(result["concurrency"]),
-        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"], fitted),
+        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"]),
         **latency_slowdowns(result["sequence"]),
         "load_average_before": load_before,
         "load_average_after": load_average(),
