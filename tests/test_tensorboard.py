@@ -356,7 +356,9 @@ def test_scalars_dashboard_draws_a_line_per_run(offline, tensorboard, tmp_path) 
     for tag, card in zip(tags, cards.all(), strict=True):
         chart = card.locator("vz-line-chart2")
         chart.screenshot(path=tmp_path / f"{tag}.png")
-        assert ink_on_lines(chart) > 100, f"the {tag!r} chart is blank: see {tmp_path}"
+        # A chart scrolled into view may still be fading in from a redraw: look again.
+        what = f"ink on the lines of the {tag!r} chart (see {tmp_path})"
+        wait_for(page, lambda chart=chart: ink_on_lines(chart) > 100, what, timeout_s=10)
     assert offline.blocked == [], f"TensorBoard's page reached off loopback: {offline.blocked}"
 
 

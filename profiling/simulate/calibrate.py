@@ -22,7 +22,8 @@ running `worker` (this module under torchrun), which measures, in this order:
    - a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
      small all-reduces one after the other, as a stage issues its buckets. The sweep
      starts every call from a barrier and times that call alone; in a sequence each
-     call measured 2-3 times that on two ranks (0.9 against 0.3 ms), and what a call
+     call measured 1.5-3 times that on two ranks (0.70 against 0.34 ms, 0.9 against
+     0.3), and 0.6-1.6 times on four (4.9 against 6.8, 5.2 against 4.3); what a call
      costs beyond (or short of) the sweep's figure goes to every collective's latency;
    - the same lengths launched all at once, then waited for: `busy_launch_s`, what a
      call queued behind others costs beyond one issued after the last has ended;
@@ -171,7 +172,7 @@ def busy_launch_s(concurrency: list[dict], sequence: dict) -> float:
     the per-call slope of the sequences launched all at once (each extra call of a
     burst is queued behind the others), less that of the sequences waited for call by
     call. A slope over many calls: a single pair launched together was measured at
-    0.62 to 3.71 ms from one calibration to the next."""
+    0.62 to 3.71 ms on 2 ranks from one calibration to the next."""
     if lanes(concurrency) > 1:
         return 0.0
     return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
@@ -190,7 +191,7 @@ def call_s(sequence: dict, cost: CostModel) -> float:
     """What a collective costs in a sequence beyond the cost model's figure for it: the
     sequence's slope per call, less `cost` of its size, so that a small call costs the
     slope. Negative where the fit says more: on 4 ranks the fit's 4 KiB all-reduce
-    ranged 3.9-8.3 ms over six calibrations, the slope 5.4-6.6 ms; held at 0, call_s
+    ranged 3.9-8.3 ms over 14 calibrations, the slope 4.9-6.6 ms; held at 0, call_s
     once put naive with 17 small gradients 18% long."""
     return slope_s(sequence) - cost(sequence["size_bytes"]).seconds
 
@@ -406,7 +407,7 @@ def _copy_s_per_byte() -> float:
 
 
 def _sequence() -> dict:
-    """Small all-reduces, timed as the slowest rank's per repeat:
+    """Small all-reduces, per repeat the slowest rank's:
 
     - from the end of some compute to the end of `SEQUENCE_LENGTHS` issued one after
       the other ("seconds"), and all launched at once, then waited for
@@ -414,7 +415,8 @@ def _sequence() -> dict:
     - the longest burst launched at once just before a longer compute ("under_compute"):
       when the burst ended (each all-reduce stamps its own end as it completes) and when
       the compute did, with the same compute alone and the same burst alone, each
-      started from a barrier.
+      started from a barrier: the four figures of the rank whose compute took longest
+      with the burst, on its own clock.
 
     All of it interleaved in every repeat, so all see the same spells of the machine:
     on two shared cores a small all-reduce's cost swings 2-3x from one second to the
@@ -467,7 +469,8 @@ def _sequence() -> dict:
         ends = []  # each all-reduce stamps its own end as it completes (on Gloo's thread)
         for t in tensors[:calls]:
             work = dist.all_reduce(t, async_op=True)
-            ends.append(work.get_future().then(lambda _: time.perf_counter()))
+            # value(): an all-reduce that failed raises here, not a stamp as if it ended
+            ends.append(work.get_future().then(lambda f: (f.value(), time.perf_counter())[1]))
         compute(matmuls)
         compute_end = time.perf_counter()
         stamps = torch.futures.wait_all(ends)  # the callbacks' own stamps
