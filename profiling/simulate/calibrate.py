@@ -142,6 +142,15 @@ class Calibration:
     copy_s_per_byte: float = 0.0  # a stage's pass over a gradient (into or out of a bucket)
     buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
 
+    def contention(self, model: str) -> dict[str, float | None]:
+        """The four slowdowns of `model`'s step, as `schedule.simulate` takes them."""
+        return {
+            "slowdown": self.slowdowns.get(model, 0.0),
+            "comm_slowdown": self.comm_slowdowns.get(model, 0.0),
+            "latency_slowdown": self.latency_slowdown,
+            "comm_latency_slowdown": self.comm_latency_slowdown,
+        }
+
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
         return cls(

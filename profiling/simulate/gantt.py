@@ -57,14 +57,10 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
             dataclasses.replace(overlap, accumulation_steps=ACCUMULATION_STEPS),
         ),
     }
-    slowdowns = (
-        calibration.slowdowns.get("mlp", 0.0),
-        calibration.comm_slowdowns.get("mlp", 0.0),
-        calibration.latency_slowdown,
-        calibration.comm_latency_slowdown,
-    )
     return {
-        stage: simulate(workload, layout, calibration.cost, schedule, *slowdowns)
+        stage: simulate(
+            workload, layout, calibration.cost, schedule, **calibration.contention("mlp")
+        )
         for stage, (layout, schedule) in plans.items()
     }
 

@@ -33,8 +33,8 @@ What a stage does with them (`StageSchedule`):
   latency) while backward runs. The step waits for the last collective, then runs the
   optimizer;
 - `busy_launch_s`: a collective launched while another is in flight or waiting pays
-  this much more latency (measured: on two shared cores, two small all-reduces at once
-  take far longer than one after the other);
+  this much more latency (measured: on two shared cores, small all-reduces launched all
+  at once can cost more per call than the same issued one after the other);
 - `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
   and collectives in their wire phase at the same time share the link equally;
 - `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward with
@@ -134,8 +134,8 @@ class StageSchedule:
     lanes: int = 1  # round-robin process groups
     accumulation_steps: int = 1  # micro-batches per step, all but the last under no_sync
     # Extra latency of a collective launched while another is in flight or waiting: on
-    # two shared cores, Gloo's second worker thread takes it up at once, and two small
-    # all-reduces at once were measured to take far longer than two one after the other.
+    # two shared cores, Gloo's second worker thread takes it up at once, and a burst of
+    # small all-reduces can cost more per call than the same one after the other.
     busy_launch_s: float = 0.0
     # Passes over the gradients the stage makes itself, seconds per byte (0: none).
     copy_in_s_per_byte: float = 0.0

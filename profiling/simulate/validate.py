@@ -165,10 +165,8 @@ def predict(run: Run, calibration: Calibration) -> dict:
         )
     buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration)
     step = simulate(
-        workload, buckets, calibration.cost, schedule, calibration.slowdowns[run.model],
-        calibration.comm_slowdowns.get(run.model, 0.0),
-        calibration.latency_slowdown, calibration.comm_latency_slowdown,
-    )  # fmt: skip
+        workload, buckets, calibration.cost, schedule, **calibration.contention(run.model)
+    )
     return {
         "predicted_ms": step.step_s * 1e3,
         "compute_ms": step.compute_s * 1e3,
