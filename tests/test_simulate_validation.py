@@ -17,12 +17,13 @@ from profiling.simulate.calibrate import (
     call_s,
     comm_slowdown,
     cost_model,
+    flight_under,
     lanes,
-    latency_slowdown,
     latency_slowdowns,
+    trickle_slowdowns,
 )
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
-from profiling.simulate.schedule import linear_cost
+from profiling.simulate.schedule import Grad, StageSchedule, Workload, linear_cost, simulate
 from profiling.simulate.validate import (
     Run,
     analyse,
@@ -151,42 +152,75 @@ def test_communications_slowdown_from_when_it_ended_by_hand():
     assert comm_slowdown([[5.0, 2.0]], alone_s=2.0) == pytest.approx(19.0)
 
 
-def test_compute_slowed_by_small_all_reduces_by_hand():
-    # [burst's end, compute's end, compute alone]. Alone 2 s; the burst ended at 1.5 s,
-    # the compute at 2.5: 0.5 s longer, all of it while the burst flew, so in 1.5 s it
-    # did 1 s of work: 1.5x, slowdown 0.5.
-    assert latency_slowdown([[1.5, 2.5, 2.0]]) == pytest.approx(0.5)
-    # The burst outlasted the compute, 3 s against 2 alone: slowed all through, 0.5.
-    assert latency_slowdown([[3.5, 3.0, 2.0]]) == pytest.approx(0.5)
-    # Lost more (1 s) than the burst flew (0.5 s): the uniform rate cannot place it,
-    # so the whole compute's 3 s against 2.
-    assert latency_slowdown([[0.5, 3.0, 2.0]]) == pytest.approx(0.5)
-    # Each repeat against its own compute alone: 2, -0.25 and 2 (1 s more in a burst of
-    # 1.5), median 2; against the median alone (2.5 s) they would be 0.5, -0.25, 0.6.
-    assert latency_slowdown([[1.5, 3.0, 2.0], [1.5, 2.0, 2.5], [1.5, 4.0, 3.0]]) == 2
-    # The median over repeats; never below 0 (the compute faster than alone).
-    assert latency_slowdown([[1.5, 2.5, 2.0], [3.5, 3.0, 2.0], [1.0, 2.0, 2.0]]) == 0.5
-    assert latency_slowdown([[1.0, 1.9, 2.0]]) == 0
+def model_trickle(compute_s, calls, cost, busy_s, ls, cls):
+    """The calibration's trickle as the model schedules it, in the worker's format:
+    `calls` all-reduces of 4 KiB ready at even steps of a compute, the last at its end,
+    overlapped, with these slowdowns; each call's [start, end] (start: when served)."""
+    grads = tuple(Grad(f"call {k}", 4096, compute_s * (k + 1) / calls) for k in range(calls))
+    step = simulate(
+        Workload(grads, forward_s=0.0, backward_s=compute_s, optimizer_s=0.0),
+        [[k] for k in range(calls)], cost, StageSchedule(overlap=True, busy_launch_s=busy_s),
+        slowdown=ls, comm_slowdown=cls, latency_slowdown=ls, comm_latency_slowdown=cls,
+    )  # fmt: skip
+    backward = next(s for s in step.lane("compute") if s.label == "backward")
+    spans = [[s.start_s, s.end_s] for s in step.lane("comm")]
+    return [backward.end_s, spans[-1][1], compute_s, spans]
 
 
-def test_latency_slowdowns_from_the_burst_under_compute_by_hand():
-    # Per repeat [burst's end, compute's end, compute alone, burst alone]. The burst,
-    # 4 ms alone, ended at 8 ms under compute: half speed, comm slowdown 1. The compute,
-    # 10 ms alone, took 12: 2 ms more within the burst's 8 ms, so 6 ms of work in 8:
-    # 1/3. The third repeat's burst alone took 8 ms, as long as under compute: it is
-    # no slower there, whatever the other repeats' burst alone.
-    repeats = [[8e-3, 12e-3, 10e-3, 4e-3]] * 2 + [[8e-3, 12e-3, 10e-3, 8e-3]]
-    sequence = {"under_compute": {"matmuls": 100, "repeats": repeats}}
-    assert latency_slowdowns(sequence) == {
-        "latency_slowdown": pytest.approx(1 / 3),
-        "comm_latency_slowdown": pytest.approx(1.0),
+def test_flight_under_compute_by_hand():
+    # Calls flying 1-3, launched at 2.5 and served 3-5, launched at 6 and flying to 7;
+    # the compute ended at 6.5: in flight 1-5 and 6-6.5, 4.5 s; the second launched
+    # while the first flew, the third not.
+    calls = [[1.0, 3.0], [2.5, 5.0], [6.0, 7.0]]
+    assert flight_under(calls, 6.5) == (4.5, 1)
+    assert flight_under(calls, 10.0) == (5.0, 1)
+    assert flight_under([], 1.0) == (0.0, 0)
+
+
+def test_trickle_slowdowns_by_hand():
+    # Compute 4 s alone took 5 s, with calls in flight for 3 s of it (2-4, then the
+    # second, queued, 4-5): 1 s lost in 3, so 2 s of work in 3: slowdown 0.5. Two calls
+    # of 1 s (0.5 more for the second, launched while the first flew): 2.5 s of work,
+    # the last ended 1 s after the compute, so 1.5 s of it in the 3 s in flight: half
+    # speed, slowdown 1.
+    repeat = [5.0, 6.0, 4.0, [[2.0, 4.0], [3.0, 6.0]]]
+    assert trickle_slowdowns(repeat, 1.0, 0.5) == pytest.approx((0.5, 1.0))
+    # Lost more (2 s) than it flew (1 s): the uniform rate cannot place it, so the whole
+    # compute's 6 against 4; all the calls' work after the compute: the floor rate.
+    repeat = [6.0, 8.0, 4.0, [[5.0, 6.0], [6.0, 8.0]]]
+    assert trickle_slowdowns(repeat, 1.0, 0.0) == pytest.approx((0.5, 19.0))
+
+
+def test_trickle_slowdowns_give_back_the_models_own():
+    # The model's trickle at known slowdowns, 16 calls of 0.5 ms a millisecond apart
+    # (where the lane keeps up, the two ends alone fit a whole curve of pairs: the
+    # flights tell them apart), and with calls that queue: each pair comes back.
+    cost = linear_cost(0.5e-3, 1e-9)
+    call_s = cost(4096).seconds
+    for ls, cls in [(0.4, 3.0), (2.8, 1.2), (0.0, 0.5), (1.0, 0.0), (0.5, 0.5)]:
+        repeat = model_trickle(16e-3, 16, cost, 0.0, ls, cls)
+        assert trickle_slowdowns(repeat, call_s, 0.0) == pytest.approx((ls, cls), abs=1e-9)
+    # The same ends from two pairs (2.8, 1.2) and (1, about 2.24): only the flights differ.
+    a, b = (
+        model_trickle(16e-3, 16, cost, 0.0, 2.8, 1.2),
+        model_trickle(16e-3, 16, cost, 0.0, 1.0, 2.2425),
+    )
+    assert a[:2] == pytest.approx(b[:2], rel=1e-3)
+    assert sum(a[3], []) != pytest.approx(sum(b[3], []), rel=1e-2)
+
+
+def test_latency_slowdowns_per_repeat_then_the_median():
+    # Three repeats made at (0.4, 3), (2.8, 1.2) and (1, 0.5), each with its own
+    # compute alone (16, 20 and 12 ms): the medians 1 and 1.2. Against one compute
+    # alone (the median, 16 ms) the first and third would give other figures.
+    cost = linear_cost(0.5e-3, 0.0)
+    made = [(16e-3, 0.4, 3.0), (20e-3, 2.8, 1.2), (12e-3, 1.0, 0.5)]
+    repeats = [model_trickle(t, 16, cost, 0.0, ls, cls) for t, ls, cls in made]
+    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    assert latency_slowdowns(sequence, cost, 0.0) == {
+        "latency_slowdown": pytest.approx(1.0, abs=1e-9),
+        "comm_latency_slowdown": pytest.approx(1.2, abs=1e-9),
     }
-    # Per repeat, comm slowdowns 1 (4 ms in 8), 0 (8 in 8) and 2 (the burst ended 4 ms
-    # after the compute, so 4 of its 8 ms of work took the compute's 12): median 1.
-    # Against the median burst alone (8 ms) the first would be 0, and the median 0.
-    repeats = [[8e-3, 12e-3, 10e-3, 4e-3], [8e-3, 12e-3, 10e-3, 8e-3], [16e-3, 12e-3, 10e-3, 8e-3]]
-    sequence = {"under_compute": {"matmuls": 100, "repeats": repeats}}
-    assert latency_slowdowns(sequence)["comm_latency_slowdown"] == pytest.approx(1.0)
 
 
 def test_buffer_bytes_per_dtype_by_hand():

@@ -27,11 +27,18 @@ running `worker` (this module under torchrun), which measures, in this order:
      costs beyond (or short of) the sweep's figure goes to every collective's latency;
    - the same lengths launched all at once, then waited for: `busy_launch_s`, what a
      call queued behind others costs beyond one issued after the last has ended;
-   - the 16 launched at once just before a longer compute, against each alone:
-     `latency_slowdown` and `comm_latency_slowdown`, how much longer compute takes
-     while small all-reduces fly, and they while it runs. A large all-reduce mostly
+   - 16 launched one at a time through a compute, one after every few matmuls, as an
+     overlapped stage launches its buckets through backward, against the same compute
+     alone, each call stamping its launch and its end: `latency_slowdown` and
+     `comm_latency_slowdown`, how much longer compute takes while small all-reduces
+     fly, and they while it runs (`trickle_slowdowns`). A large all-reduce mostly
      waits for the link, a small one for the cores (each message round wakes a
-     thread), so the two share the cores differently;
+     thread), so the two share the cores differently. Launched one at a time, each
+     wakes Gloo's thread on cores the compute holds: on 2 ranks, 16 trickled through
+     16 ms of matmuls ended later than the same 16 issued after it, where the 16
+     launched all at once at its start ended earlier. The call's stamps are needed:
+     where the lane keeps up with the launches, the two ends alone (the compute's and
+     the last call's) fit a whole curve of pairs;
 5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
@@ -48,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -88,13 +94,11 @@ SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
 SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
 SEQUENCE_REPEATS = 15
 SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a few ms)
-# The compute a burst of small all-reduces flies under: 4x the slowest of a first few
-# bursts alone, so that the burst ends inside it. Were it to end after, its tail would be
-# timed on free cores, and that tail is erratic: with a 2x compute sized from the median,
-# bursts of 6 ms alone once ended at 12-40 ms, under a compute of 9-15 ms.
-BURST_UNDER = 4.0
-PILOTS = 5  # first bursts and computes timed to size the compute
-MAX_UNDER_MATMULS = 4000  # about 0.8 s on 2 ranks: a first slow burst costs no more
+# The compute small all-reduces are trickled through: one launched after every
+# TRICKLE_MATMULS matmuls of SEQUENCE_WORK's side, the last at the compute's end, as a
+# backward's last gradient is ready at its end. 16 x 5 matmuls: about 16 ms on 2 ranks,
+# 30 on 4, as long as the validated models' backward (15-46 ms), a launch a millisecond.
+TRICKLE_MATMULS = 5
 ENV = "SIMULATE_CALIBRATION"
 
 
@@ -225,36 +229,59 @@ def comm_slowdown(with_backward: list[list[float]], alone_s: float) -> float:
     return 1 / statistics.median(rates) - 1
 
 
-def latency_slowdown(repeats: list[list[float]]) -> float:
-    """How much longer compute takes while small all-reduces fly, from repeats of
-    [seconds from a burst's launch to its end, to the compute's end (both started
-    together), the same compute alone]. Per repeat: the compute took `extra` = with -
-    alone longer, all of it while the burst flew. If the burst ended first, it flew for
-    `end`, in which the compute did end - extra of its work: slowdown = extra / (end -
-    extra). Otherwise (the burst flew through all of the compute, or the compute lost
-    more than the burst's whole flight, which the uniform rate cannot place): with /
-    alone - 1. The median over repeats, never below 0."""
-    slowdowns = []
-    for end_s, compute_s, alone_s, *_ in repeats:
-        extra = compute_s - alone_s
-        if extra < end_s < compute_s:
-            slowdowns.append(extra / (end_s - extra))
-        else:
-            slowdowns.append(compute_s / alone_s - 1)
-    return max(0.0, statistics.median(slowdowns))
+def flight_under(calls: list[list[float]], until_s: float) -> tuple[float, int]:
+    """From [launch, end] per call, in launch order on one lane: the seconds before
+    `until_s` in which some call was in flight (queued calls wait inside another's
+    flight), and how many calls were launched while the one before still flew."""
+    flown, covered, queued = 0.0, 0.0, 0
+    for k, (launch_s, end_s) in enumerate(calls):
+        queued += k > 0 and launch_s < calls[k - 1][1]
+        start_s = max(launch_s, covered)
+        flown += max(0.0, min(end_s, until_s) - start_s)
+        covered = max(covered, end_s)
+    return flown, queued
 
 
-def latency_slowdowns(sequence: dict) -> dict[str, float]:
-    """`latency_slowdown`, and `comm_latency_slowdown` (`comm_slowdown` per repeat, the
-    burst against its own repeat's burst alone, then the median), from the sequence's
-    burst flown under compute."""
-    repeats = sequence["under_compute"]["repeats"]
+# --8<-- [start:trickle]
+def trickle_slowdowns(repeat: list, call_s: float, busy_launch_s: float) -> tuple[float, float]:
+    """(latency_slowdown, comm_latency_slowdown) from one repeat of the trickle: [the
+    compute's end, the last call's end, the compute alone, [launch, end] per call], all
+    from the compute's start, and what a call costs alone (`call_s`, plus
+    `busy_launch_s` if launched while another flew: the model's own figures).
+
+    - In flight: the seconds `flown` before the compute's end with a call in flight.
+    - Compute: it took `extra` = end - alone longer, all of it in flight, so in `flown`
+      it did flown - extra of work: slowdown extra / (flown - extra) (the whole
+      compute's with / alone - 1 where it lost more than it flew, which the uniform
+      rate cannot place).
+    - Communication: the last call is launched at the compute's end, so from there to
+      the last end the lane ran at full speed; the rest of the calls' work was done in
+      `flown`: slowdown flown / that - 1 (at most 1 / MIN_COMM_RATE - 1)."""
+    compute_s, last_end_s, alone_s, calls = repeat
+    flown, queued = flight_under(calls, compute_s)
+    extra = compute_s - alone_s
+    if 0 < extra < flown:
+        latency = extra / (flown - extra)
+    else:
+        latency = compute_s / alone_s - 1
+    work_s = len(calls) * call_s + queued * busy_launch_s
+    under_s = work_s - (last_end_s - compute_s)  # the work done before the compute's end
+    rate = under_s / flown if flown > 0 else 1.0
+    return latency, 1 / min(1.0, max(MIN_COMM_RATE, rate)) - 1
+
+
+# --8<-- [end:trickle]
+
+
+def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> dict[str, float]:
+    """`latency_slowdown` and `comm_latency_slowdown`: `trickle_slowdowns` per repeat of
+    the sequence's trickle (each against that repeat's own compute alone, a call at
+    the model's cost of its size), then the median of each, never below 0."""
+    call_s = cost(sequence["size_bytes"]).seconds
+    pairs = [trickle_slowdowns(r, call_s, busy_launch_s) for r in sequence["trickle"]["repeats"]]
     return {
-        "latency_slowdown": latency_slowdown(repeats),
-        "comm_latency_slowdown": statistics.median(
-            comm_slowdown([[end_s, compute_s]], burst_alone_s)
-            for end_s, compute_s, _, burst_alone_s in repeats
-        ),
+        "latency_slowdown": max(0.0, statistics.median(p[0] for p in pairs)),
+        "comm_latency_slowdown": max(0.0, statistics.median(p[1] for p in pairs)),
     }
 
 
@@ -309,14 +336,16 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
     extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
+    cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
+    busy_s = busy_launch_s(result["concurrency"], result["sequence"])
     return {
         "rate": rate,
         "world_size": world_size,
         "fit": fits[ALGORITHM],
         "call_s": extra_s,
         "lanes": lanes(result["concurrency"]),
-        "busy_launch_s": busy_launch_s(result["concurrency"], result["sequence"]),
-        **latency_slowdowns(result["sequence"]),
+        "busy_launch_s": busy_s,
+        **latency_slowdowns(result["sequence"], cost, busy_s),
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
@@ -421,11 +450,11 @@ def _sequence() -> dict:
     - from the end of some compute to the end of `SEQUENCE_LENGTHS` issued one after
       the other ("seconds"), and all launched at once, then waited for
       ("async_seconds");
-    - the longest burst launched at once just before a longer compute ("under_compute"):
-      when the burst ended (each all-reduce stamps its own end as it completes) and when
-      the compute did, with the same compute alone and the same burst alone, each
-      started from a barrier: the four figures of the rank whose compute took longest
-      with the burst, on its own clock.
+    - the longest trickled through a compute, one launched after every
+      `TRICKLE_MATMULS` matmuls ("trickle"): when the compute ended and when the last
+      all-reduce did (each stamps its own end as it completes), with the same compute
+      alone, each started from a barrier: the figures of the rank whose compute took
+      longest with the trickle, on its own clock.
 
     All of it interleaved in every repeat, so all see the same spells of the machine:
     on two shared cores a small all-reduce's cost swings 2-3x from one second to the
@@ -451,43 +480,28 @@ def _sequence() -> dict:
         for work in [dist.all_reduce(t, async_op=True) for t in tensors[:n]]:
             work.wait()
 
-    def timed(op: Callable[[], object]) -> float:
+    def trickled(launch: bool) -> tuple[float, float, list[list[float]]]:
+        """`TRICKLE_MATMULS` matmuls, then an all-reduce launched (if `launch`; else the
+        same compute alone), once per tensor: seconds from the start to the compute's
+        end, to the last all-reduce's end, and to each all-reduce's launch and end."""
         dist.barrier()
         start = time.perf_counter()
-        op()
-        return time.perf_counter() - start
-
-    # The compute the burst flies under lasts BURST_UNDER times the burst alone (first
-    # timed roughly: the slowest of a few), so that the burst's end says how fast it
-    # went under compute.
-    longest = max(SEQUENCE_LENGTHS)
-    pilot = torch.tensor(
-        [max(timed(lambda: all_at_once(longest)) for _ in range(PILOTS)),
-         statistics.median(timed(lambda: compute(matmuls)) for _ in range(PILOTS))],
-        dtype=torch.float64,
-    )  # fmt: skip
-    dist.all_reduce(pilot, op=dist.ReduceOp.MAX)
-    burst_s, compute_s = pilot.tolist()
-    under = int(min(MAX_UNDER_MATMULS, math.ceil(matmuls * BURST_UNDER * burst_s / compute_s)))
-
-    def burst_with_compute(calls: int, matmuls: int) -> tuple[float, float]:
-        """`calls` small all-reduces launched at once, then `matmuls`: seconds from the
-        launch to the last all-reduce's end, and to the compute's end."""
-        dist.barrier()
-        start = time.perf_counter()
-        ends = []  # each all-reduce stamps its own end as it completes (on Gloo's thread)
-        for t in tensors[:calls]:
-            work = dist.all_reduce(t, async_op=True)
-            # value(): an all-reduce that failed raises here, not a stamp as if it ended
-            ends.append(work.get_future().then(lambda f: (f.value(), time.perf_counter())[1]))
-        compute(matmuls)
+        launches, ends = [], []  # each all-reduce stamps its own end (on Gloo's thread)
+        for t in tensors:
+            compute(TRICKLE_MATMULS)
+            if launch:
+                launches.append(time.perf_counter())
+                work = dist.all_reduce(t, async_op=True)
+                # value(): an all-reduce that failed raises here, not a stamp as if it ended
+                ends.append(work.get_future().then(lambda f: (f.value(), time.perf_counter())[1]))
         compute_end = time.perf_counter()
         stamps = torch.futures.wait_all(ends)  # the callbacks' own stamps
-        return max(stamps, default=start) - start, compute_end - start
+        calls = [[a - start, b - start] for a, b in zip(launches, stamps, strict=True)]
+        return compute_end - start, max(stamps, default=compute_end) - start, calls
 
     ways = [(way, n) for way in (one_by_one, all_at_once) for n in SEQUENCE_LENGTHS]
     seconds: list[list[float]] = [[] for _ in ways]
-    under_compute = []  # per repeat: [burst's end, compute's end, compute alone, burst alone]
+    trickle = []  # per repeat: [compute's end, last end, compute alone, [launch, end]s]
     for _ in range(SEQUENCE_REPEATS):
         for times, (way, n) in zip(seconds, ways, strict=True):
             dist.barrier()
@@ -495,28 +509,29 @@ def _sequence() -> dict:
             start = time.perf_counter()
             way(n)
             times.append(time.perf_counter() - start)
-        together = burst_with_compute(longest, under)
-        _, compute_alone = burst_with_compute(0, under)
-        burst_alone, _ = burst_with_compute(longest, 0)
-        under_compute.append([*together, compute_alone, burst_alone])
+        compute_end, comm_end, calls = trickled(launch=True)
+        compute_alone, _, _ = trickled(launch=False)
+        trickle.append([compute_end, comm_end, compute_alone, calls])
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rows = slowest.tolist()
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, under_compute)
-    # Of each repeat, the rank whose compute took longest with the burst (the last to
-    # finish: the one a step waits for), all four of its figures on its own clock.
-    repeats = [max(ranks, key=lambda r: r[1]) for ranks in zip(*gathered, strict=True)]
+    dist.all_gather_object(gathered, trickle)
+    # Of each repeat, the rank whose compute took longest with the trickle (the last to
+    # finish: the one a step waits for), all of its figures on its own clock.
+    repeats = [max(ranks, key=lambda r: r[0]) for ranks in zip(*gathered, strict=True)]
     medians_ms = [
         (statistics.median(s) * 1e3, way.__name__, n)
         for s, (way, n) in zip(rows, ways, strict=True)
     ]
-    end, with_, alone, burst = (statistics.median(r[k] for r in repeats) * 1e3 for k in range(4))
+    with_, end, alone = (statistics.median(r[k] for r in repeats) * 1e3 for k in range(3))
+    flown = statistics.median(flight_under(r[3], r[0])[0] for r in repeats) * 1e3
     _say(
         "small all-reduces, "
         + ", ".join(f"{n} {name.replace('_', ' ')}: {m:.2f} ms" for m, name, n in medians_ms)
-        + f"; {longest} at once ({burst:.2f} ms alone) under {under} matmuls ({alone:.2f} ms "
-        f"alone): the compute {with_:.2f} ms, the burst ended at {end:.2f} ms"
+        + f"; {len(tensors)} trickled through {len(tensors) * TRICKLE_MATMULS} matmuls "
+        f"({alone:.2f} ms alone): the compute {with_:.2f} ms ({flown:.2f} of it with a call "
+        f"in flight), the last all-reduce {end:.2f} ms"
     )
     n = len(SEQUENCE_LENGTHS)
     return {
@@ -524,7 +539,7 @@ def _sequence() -> dict:
         "lengths": list(SEQUENCE_LENGTHS),
         "seconds": rows[:n],
         "async_seconds": rows[n : 2 * n],
-        "under_compute": {"matmuls": under, "repeats": repeats},
+        "trickle": {"calls": len(tensors), "matmuls_per_call": TRICKLE_MATMULS, "repeats": repeats},
     }
 
 
