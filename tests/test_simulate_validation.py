@@ -102,7 +102,6 @@ def test_lanes_from_two_all_reduces_at_once():
 
 
 def test_busy_launch_from_the_slopes_of_bursts_and_sequences_by_hand():
-    one_lane = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 5e-3}]
     # One after the other: 1 call in 3 ms, 16 in 18 ms, 1 ms a call. All at once: 1 in
     # 3 ms, 16 in 33 ms, 2 ms a call: a call queued behind others pays 1 ms more.
     sequence = {
@@ -111,13 +110,10 @@ def test_busy_launch_from_the_slopes_of_bursts_and_sequences_by_hand():
         "seconds": [[3e-3] * 3, [18e-3] * 3],
         "async_seconds": [[3e-3] * 3, [33e-3] * 3],
     }
-    assert busy_launch_s(one_lane, sequence) == pytest.approx(1e-3)
+    assert busy_launch_s(sequence) == pytest.approx(1e-3)
     # All at once no slower than one by one: nothing more to pay.
     quick = {**sequence, "async_seconds": [[3e-3], [12e-3]]}
-    assert busy_launch_s(one_lane, quick) == 0
-    # Two lanes: no queue to pay for.
-    two_lanes = [{"size_bytes": 4096, "one_s": 1e-3, "two_s": 1.1e-3}]
-    assert busy_launch_s(two_lanes, sequence) == 0
+    assert busy_launch_s(quick) == 0
 
 
 def test_a_call_in_a_sequence_costs_its_slope_beyond_the_fit_by_hand():
@@ -390,7 +386,7 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
         optimizer_s=1.0,
     )
     cost = linear_cost(0.0, 1.0 / (10 * MiB))  # 1 s per 10 MiB
-    calibration = Calibration("1gbit", 2, cost, 1, {"mlp": workload}, {"mlp": 0.0})
+    calibration = Calibration("1gbit", 2, cost, {"mlp": workload}, {"mlp": 0.0})
     steps = simulate_stages(workload, calibration)
     comm = {stage: [s.label for s in step.lane("comm")] for stage, step in steps.items()}
     assert comm["naive"] == ["w0", "w1", "w2"]
@@ -425,7 +421,6 @@ def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
         rate="1gbit",
         world_size=2,
         cost=linear_cost(0.001, 0.0),
-        lanes=1,
         workloads={"m": workload},
         slowdowns={"m": 0.0},
         buffer_bytes={"m": [8]},
@@ -435,3 +430,29 @@ def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
         for stage in ("overlapped", "drop_in")
     }
     assert step_ms == pytest.approx({"overlapped": 36.0, "drop_in": 38.0})
+
+
+def test_a_stage_with_one_process_group_keeps_one_lane_by_hand():
+    # Two gradients, the last parameter's ready 10 ms into a 20 ms backward, the first's
+    # at its end; 15 ms a collective; one parameter per bucket. After a 10 ms forward,
+    # the first bucket flies 20-35 ms; the second, ready at 30, waits for the lane:
+    # 35-50, then the optimizer: 55 ms. (Two lanes would end it at 50: 30-45.)
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.schedule import Grad, Workload, linear_cost
+    from profiling.simulate.validate import predict
+
+    workload = Workload(
+        (Grad("a", 400, 0.020), Grad("b", 400, 0.010)),
+        forward_s=0.010,
+        backward_s=0.020,
+        optimizer_s=0.005,
+    )
+    calibration = Calibration(
+        rate="1gbit",
+        world_size=4,
+        cost=linear_cost(0.015, 0.0),
+        workloads={"m": workload},
+        slowdowns={"m": 0.0},
+    )
+    run = Run("m", "1gbit", 4, "overlapped", 1e-6)
+    assert predict(run, calibration)["predicted_ms"] == pytest.approx(55.0)

@@ -13,8 +13,12 @@ running `worker` (this module under torchrun), which measures, in this order:
    size by `cost_model`;
 2. concurrency: two all-reduces launched asynchronously at once against one. Gloo
    serves a process group with two worker threads, so two collectives can be in flight
-   together; where two small ones take about as long as one, the model gets two lanes
-   (`lanes`);
+   together; where two small ones take about as long as one, `lanes` says 2. It is
+   reported, not used: the model of a stage with one process group keeps one lane, as
+   the trickle of item 4 runs on such a group and holds in its figures whatever the
+   second thread overlaps under compute (with two lanes on top, one calibration on 4
+   ranks put overlapped 25% short), and 16 launched at once were never near twice as
+   fast as 16 one after the other (0.75-1.01 of the slope on 4 ranks, three runs);
 3. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
    out=bucket_view)`, what bucketed and overlapped do to each gradient before its
    all-reduce (and a copy of the same size after it), on every rank at once;
@@ -133,7 +137,6 @@ class Calibration:
     rate: str
     world_size: int
     cost: CostModel
-    lanes: int
     workloads: dict[str, Workload]  # model key -> its compute
     slowdowns: dict[str, float]  # model key -> backward's slowdown under communication
     # model key -> communication's slowdown under backward (0 where not calibrated)
@@ -161,7 +164,6 @@ class Calibration:
             rate=data["rate"],
             world_size=data["world_size"],
             cost=cost_model(data["fit"], data["world_size"], call_s=data.get("call_s", 0.0)),
-            lanes=data["lanes"],
             workloads={k: workload_from_json(m["workload"]) for k, m in data["models"].items()},
             slowdowns={k: m["slowdown"] for k, m in data["models"].items()},
             comm_slowdowns={k: m.get("comm_slowdown", 0.0) for k, m in data["models"].items()},
@@ -179,15 +181,13 @@ def lanes(concurrency: list[dict]) -> int:
     return 2 if small["two_s"] < TWO_LANES_BELOW * small["one_s"] else 1
 
 
-def busy_launch_s(concurrency: list[dict], sequence: dict) -> float:
-    """With one lane, what a small all-reduce launched while others fly or wait costs
+def busy_launch_s(sequence: dict) -> float:
+    """What a small all-reduce launched while others fly or wait costs
     beyond one issued after the last has ended (what the model charges with `call_s`):
     the per-call slope of the sequences launched all at once (each extra call of a
     burst is queued behind the others), less that of the sequences waited for call by
     call. A slope over many calls: a single pair launched together was measured at
     0.62 to 3.71 ms on 2 ranks from one calibration to the next."""
-    if lanes(concurrency) > 1:
-        return 0.0
     return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
 
 
@@ -337,7 +337,7 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
     extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
-    busy_s = busy_launch_s(result["concurrency"], result["sequence"])
+    busy_s = busy_launch_s(result["sequence"])
     return {
         "rate": rate,
         "world_size": world_size,

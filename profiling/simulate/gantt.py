@@ -7,7 +7,7 @@ As the stage pages draw the traced step: a compute lane and a communication lane
 The workload is the one `profiling.course_timelines` traces (the benchmarks' MLP,
 2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
 measured here on one process with one thread (`inputs.measure_workload`), so each page
-can set the model's step beside the measured one. The collective cost, the lanes and
+can set the model's step beside the measured one. The collective cost and
 the slowdowns come from a validation's calibration on the same cluster (1 Gbit/s, 2 ranks),
 read from its JSON (`validate --json`); nothing else is run.
 """
@@ -37,7 +37,7 @@ COPY_COLOUR = "#9e9e9e"  # the stage moving gradients into and out of its bucket
 
 
 def simulate_stages(workload, calibration) -> dict[str, Step]:
-    """Each of STAGES' simulated step on `workload` with `calibration`'s cost, lanes and
+    """Each of STAGES' simulated step on `workload` with `calibration`'s cost and
     slowdowns (the MLP's)."""
     import dataclasses
 

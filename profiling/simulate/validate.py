@@ -112,7 +112,9 @@ def layout(
     stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
 ) -> tuple[list[list[int]], StageSchedule]:
     """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload, with the
-    calibration's lanes, busy launch and copies."""
+    calibration's busy launch and copies, on one lane: the stages use one process
+    group, and the calibration's trickle, run on one, holds what Gloo's second thread
+    overlaps in its slowdowns."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
@@ -121,9 +123,7 @@ def layout(
     # naive all-reduces the gradient itself, then divides it in place.
     copy = calibration.copy_s_per_byte
     copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy}
-    asynchronous = StageSchedule(
-        overlap=True, lanes=calibration.lanes, busy_launch_s=calibration.busy_launch_s, **copies
-    )
+    asynchronous = StageSchedule(overlap=True, busy_launch_s=calibration.busy_launch_s, **copies)
     if stage == "naive":
         schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy)
         return per_parameter(workload), schedule
