@@ -401,30 +401,36 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
     assert CAPTIONS["overlapped"] in path.read_text()
 
 
+def two_gradients(ready_a: float, ready_b: float, collective_s: float, **fields):
+    """A calibration of one model "m": two 100-element gradients ready at these times in
+    a 20 ms backward, forward 10 ms, optimizer 5, every collective `collective_s`."""
+    from profiling.simulate.calibrate import Calibration
+
+    workload = Workload(
+        (Grad("a", 400, ready_a), Grad("b", 400, ready_b)),
+        forward_s=0.010,
+        backward_s=0.020,
+        optimizer_s=0.005,
+    )
+    return Calibration(
+        rate="1gbit",
+        world_size=2,
+        cost=linear_cost(collective_s, 0.0),
+        workloads={"m": workload},
+        slowdowns={"m": 0.0},
+        **fields,
+    )
+
+
 def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
     # Every collective 1 ms whatever its size; two gradients ready 10 and 20 ms into a
     # 20 ms backward; forward 10, optimizer 5; one bucket (cap 1e6). overlapped:
     # 10 + 20, the bucket 20-21 ms after forward, then the optimizer: 36 ms. drop_in
     # also broadcasts its one buffer dtype before forward (+1) and all-reduces the
     # status rows after the bucket (+1): 38 ms.
-    from profiling.simulate.calibrate import Calibration
-    from profiling.simulate.schedule import Grad, Workload, linear_cost
     from profiling.simulate.validate import predict
 
-    workload = Workload(
-        (Grad("a", 400, 0.010), Grad("b", 400, 0.020)),
-        forward_s=0.010,
-        backward_s=0.020,
-        optimizer_s=0.005,
-    )
-    calibration = Calibration(
-        rate="1gbit",
-        world_size=2,
-        cost=linear_cost(0.001, 0.0),
-        workloads={"m": workload},
-        slowdowns={"m": 0.0},
-        buffer_bytes={"m": [8]},
-    )
+    calibration = two_gradients(0.010, 0.020, 0.001, buffer_bytes={"m": [8]})
     step_ms = {
         stage: predict(Run("m", "1gbit", 2, stage, 1e6), calibration)["predicted_ms"]
         for stage in ("overlapped", "drop_in")
@@ -437,22 +443,7 @@ def test_a_stage_with_one_process_group_keeps_one_lane_by_hand():
     # at its end; 15 ms a collective; one parameter per bucket. After a 10 ms forward,
     # the first bucket flies 20-35 ms; the second, ready at 30, waits for the lane:
     # 35-50, then the optimizer: 55 ms. (Two lanes would end it at 50: 30-45.)
-    from profiling.simulate.calibrate import Calibration
-    from profiling.simulate.schedule import Grad, Workload, linear_cost
     from profiling.simulate.validate import predict
 
-    workload = Workload(
-        (Grad("a", 400, 0.020), Grad("b", 400, 0.010)),
-        forward_s=0.010,
-        backward_s=0.020,
-        optimizer_s=0.005,
-    )
-    calibration = Calibration(
-        rate="1gbit",
-        world_size=4,
-        cost=linear_cost(0.015, 0.0),
-        workloads={"m": workload},
-        slowdowns={"m": 0.0},
-    )
-    run = Run("m", "1gbit", 4, "overlapped", 1e-6)
-    assert predict(run, calibration)["predicted_ms"] == pytest.approx(55.0)
+    run = Run("m", "1gbit", 2, "overlapped", 1e-6)
+    assert predict(run, two_gradients(0.020, 0.010, 0.015))["predicted_ms"] == pytest.approx(55.0)

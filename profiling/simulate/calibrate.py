@@ -39,8 +39,9 @@ running `worker` (this module under torchrun), which measures, in this order:
      waits for the link, a small one for the cores (each message round wakes a
      thread), so the two share the cores differently. Launched one at a time, each
      wakes Gloo's thread on cores the compute holds: on 2 ranks, 16 trickled through
-     16 ms of matmuls ended later than the same 16 issued after it, where the 16
-     launched all at once at its start ended earlier. The call's stamps are needed:
+     16 ms of matmuls ended about when the same compute and then the same 16 one after
+     the other would have (31.6 against 16.1 + 16.5 ms), where 16 launched all at once
+     at its start ended inside the compute. The calls' stamps are needed:
      where the lane keeps up with the launches, the two ends alone (the compute's and
      the last call's) fit a whole curve of pairs;
 5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
@@ -101,7 +102,8 @@ SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a fe
 # The compute small all-reduces are trickled through: one launched after every
 # TRICKLE_MATMULS matmuls of SEQUENCE_WORK's side, the last at the compute's end, as a
 # backward's last gradient is ready at its end. 16 x 5 matmuls: about 16 ms on 2 ranks,
-# 30 on 4, as long as the validated models' backward (15-46 ms), a launch a millisecond.
+# 23-28 on 4, within the validated models' backward (15-58 ms): a launch a millisecond
+# or two.
 TRICKLE_MATMULS = 5
 ENV = "SIMULATE_CALIBRATION"
 
@@ -458,7 +460,8 @@ def _sequence() -> dict:
 
     All of it interleaved in every repeat, so all see the same spells of the machine:
     on two shared cores a small all-reduce's cost swings 2-3x from one second to the
-    next, so each repeat's figures are compared with that repeat's own."""
+    next, so each repeat's compute with calls is compared with that repeat's compute
+    alone (its calls with the model's cost of a call)."""
     import torch
     import torch.distributed as dist
 
@@ -496,7 +499,7 @@ def _sequence() -> dict:
                 ends.append(work.get_future().then(lambda f: (f.value(), time.perf_counter())[1]))
         compute_end = time.perf_counter()
         stamps = torch.futures.wait_all(ends)  # the callbacks' own stamps
-        calls = [[a - start, b - start] for a, b in zip(launches, stamps, strict=True)]
+        calls = [[at - start, end - start] for at, end in zip(launches, stamps, strict=True)]
         return compute_end - start, max(stamps, default=compute_end) - start, calls
 
     ways = [(way, n) for way in (one_by_one, all_at_once) for n in SEQUENCE_LENGTHS]
