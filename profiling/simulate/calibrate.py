@@ -18,7 +18,7 @@ running `worker` (this module under torchrun), which measures, in this order:
    the trickle of item 4 runs on such a group and holds in its figures whatever the
    second thread overlaps under compute (with two lanes on top, one calibration on 4
    ranks put overlapped 25% short), and 16 launched at once were never near twice as
-   fast as 16 one after the other (0.75-1.01 of the slope on 4 ranks, three runs);
+   fast as 16 one after the other (0.75-1.01 of the slope on 4 ranks, four runs);
 3. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
    out=bucket_view)`, what bucketed and overlapped do to each gradient before its
    all-reduce (and a copy of the same size after it), on every rank at once;
@@ -39,11 +39,11 @@ running `worker` (this module under torchrun), which measures, in this order:
      waits for the link, a small one for the cores (each message round wakes a
      thread), so the two share the cores differently. Launched one at a time, each
      wakes Gloo's thread on cores the compute holds: on 2 ranks, 16 trickled through
-     16 ms of matmuls ended about when the same compute and then the same 16 one after
-     the other would have (31.6 against 16.1 + 16.5 ms), where 16 launched all at once
-     at its start ended inside the compute. The calls' stamps are needed:
-     where the lane keeps up with the launches, the two ends alone (the compute's and
-     the last call's) fit a whole curve of pairs;
+     16 ms of matmuls ended, in one calibration, about when the same compute and then
+     the same 16 one after the other would have (31.6 against 16.1 + 16.5 ms), where 16
+     launched all at once at its start ended inside the compute. The calls' stamps are
+     needed: where the lane keeps up with the launches, the two ends alone (the
+     compute's and the last call's) fit a whole curve of pairs;
 5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
