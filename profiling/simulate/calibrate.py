@@ -245,10 +245,10 @@ def flight_under(calls: list[list[float]], until_s: float) -> tuple[float, int]:
 
 
 # --8<-- [start:trickle]
-def trickle_slowdowns(repeat: list, call_s: float, busy_launch_s: float) -> tuple[float, float]:
+def trickle_slowdowns(repeat: list, one_call_s: float, busy_launch_s: float) -> tuple[float, float]:
     """(latency_slowdown, comm_latency_slowdown) from one repeat of the trickle: [the
     compute's end, the last call's end, the compute alone, [launch, end] per call], all
-    from the compute's start, and what a call costs alone (`call_s`, plus
+    from the compute's start, and what a call costs alone (`one_call_s`, plus
     `busy_launch_s` if launched while another flew: the model's own figures).
 
     - In flight: the seconds `flown` before the compute's end with a call in flight.
@@ -266,7 +266,7 @@ def trickle_slowdowns(repeat: list, call_s: float, busy_launch_s: float) -> tupl
         latency = extra / (flown - extra)
     else:
         latency = compute_s / alone_s - 1
-    work_s = len(calls) * call_s + queued * busy_launch_s
+    work_s = len(calls) * one_call_s + queued * busy_launch_s
     under_s = work_s - (last_end_s - compute_s)  # the work done before the compute's end
     rate = under_s / flown if flown > 0 else 1.0
     return latency, 1 / min(1.0, max(MIN_COMM_RATE, rate)) - 1
@@ -279,8 +279,9 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
     """`latency_slowdown` and `comm_latency_slowdown`: `trickle_slowdowns` per repeat of
     the sequence's trickle (each against that repeat's own compute alone, a call at
     the model's cost of its size), then the median of each, never below 0."""
-    call_s = cost(sequence["size_bytes"]).seconds
-    pairs = [trickle_slowdowns(r, call_s, busy_launch_s) for r in sequence["trickle"]["repeats"]]
+    one_call_s = cost(sequence["size_bytes"]).seconds
+    repeats = sequence["trickle"]["repeats"]
+    pairs = [trickle_slowdowns(r, one_call_s, busy_launch_s) for r in repeats]
     return {
         "latency_slowdown": max(0.0, statistics.median(p[0] for p in pairs)),
         "comm_latency_slowdown": max(0.0, statistics.median(p[1] for p in pairs)),
