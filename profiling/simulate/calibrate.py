@@ -258,7 +258,8 @@ def trickle_slowdowns(repeat: list, one_call_s: float, busy_launch_s: float) -> 
       rate cannot place).
     - Communication: the last call is launched at the compute's end, so from there to
       the last end the lane ran at full speed; the rest of the calls' work was done in
-      `flown`: slowdown flown / that - 1 (at most 1 / MIN_COMM_RATE - 1)."""
+      `flown`: `comm_slowdown`'s reading of an all-reduce under a backward, with the
+      calls' work as the all-reduce and `flown` as the backward."""
     compute_s, last_end_s, alone_s, calls = repeat
     flown, queued = flight_under(calls, compute_s)
     extra = compute_s - alone_s
@@ -267,9 +268,9 @@ def trickle_slowdowns(repeat: list, one_call_s: float, busy_launch_s: float) -> 
     else:
         latency = compute_s / alone_s - 1
     work_s = len(calls) * one_call_s + queued * busy_launch_s
-    under_s = work_s - (last_end_s - compute_s)  # the work done before the compute's end
-    rate = under_s / flown if flown > 0 else 1.0
-    return latency, 1 / min(1.0, max(MIN_COMM_RATE, rate)) - 1
+    tail_s = last_end_s - compute_s  # at full speed, after the compute
+    comm = comm_slowdown([[flown + tail_s, flown]], work_s) if flown > 0 else 0.0
+    return latency, comm
 
 
 # --8<-- [end:trickle]
