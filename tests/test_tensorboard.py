@@ -282,16 +282,26 @@ def wait_for(page, condition, what: str, timeout_s: float = 30):
     return value
 
 
-def colored_pixels(png: bytes) -> int:
-    """Pixels of visible colour: chart lines and trace slices, not the grey of axes, text
-    and background (whose channels differ by a few levels at most). TensorBoard draws
-    some runs' lines in muted colours (a teal of (116, 162, 160) was seen on top of a
-    chart whose runs all had the same values), so the bar is a spread of 30 levels."""
+def rgb_pixels(png: bytes):
+    """A screenshot as an (H, W, 3) array of int16 levels."""
     import numpy as np  # both come with matplotlib
     from PIL import Image
 
-    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)  # (H, W, 3)
-    return int((rgb.max(axis=-1) - rgb.min(axis=-1) > 30).sum())
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def visible_colour(rgb):
+    """Where pixels are of visible colour: chart lines and trace slices, not the grey of
+    axes, text and background (whose channels differ by a few levels at most).
+    TensorBoard draws some runs' lines in muted colours (a teal of (116, 162, 160) was
+    seen on top of a chart whose runs all had the same values), so the bar is a spread
+    of 30 levels."""
+    return rgb.max(axis=-1) - rgb.min(axis=-1) > 30
+
+
+def colored_pixels(png: bytes) -> int:
+    """Pixels of visible colour (`visible_colour`)."""
+    return int(visible_colour(rgb_pixels(png)).sum())
 
 
 def ink_on_lines(chart) -> int:
@@ -299,11 +309,7 @@ def ink_on_lines(chart) -> int:
     a visible colour, or darker than the light grey of the grid. Not colour alone:
     where every run logs the same values (the learning rate), the lines lie on top of
     one another and the one on top may be one of TensorBoard's grey runs."""
-    import numpy as np
-    from PIL import Image
-
-    png = chart.screenshot()
-    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)  # (H, W, 3)
+    rgb = rgb_pixels(chart.screenshot())
     # Both in the page's CSS pixels: the chart's box, and each drawn line's.
     c = chart.bounding_box()
     lines = chart.locator("path.line").evaluate_all(
@@ -321,8 +327,7 @@ def ink_on_lines(chart) -> int:
     )
     pad = round(2 * scale)  # the stroke's width around the path's box
     area = rgb[max(0, top - pad) : bottom + pad + 1, max(0, left - pad) : right + pad + 1]
-    spread = area.max(axis=-1) - area.min(axis=-1)
-    return int(((spread > 30) | (area.max(axis=-1) < 200)).sum())
+    return int((visible_colour(area) | (area.max(axis=-1) < 200)).sum())
 
 
 def test_scalars_dashboard_draws_a_line_per_run(offline, tensorboard, tmp_path) -> None:
