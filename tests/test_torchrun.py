@@ -65,7 +65,7 @@ def test_no_gloo_thread_outlives_teardown(stage: str) -> None:
     args = ["--steps", "2", "--accumulation-steps", "3", "--model", "frozen"]
     out = torchrun(3, script, stage, *args)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line for line in out.stdout.splitlines() if "threads after teardown" in line]
-    assert len(lines) == 3, out.stdout
-    for line in lines:
-        assert "gloo" not in line, line
+    threads = dict(re.findall(r"^rank (\d+) threads after teardown: (.*)$", out.stdout, re.M))
+    assert sorted(threads) == ["0", "1", "2"], out.stdout
+    for rank, names in threads.items():
+        assert "gloo" not in names, f"rank {rank}: {names}"
