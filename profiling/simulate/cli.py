@@ -4,6 +4,7 @@ python -m profiling.simulate validate [--quick]   predictions against the virtua
 python -m profiling.simulate gantt                 the simulated step of each stage, drawn
 python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
 python -m profiling.simulate paper                 the papers' figures against the model
+python -m profiling.simulate buckets               where torch's default layout loses most
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS = {
     "gantt": "profiling.simulate.gantt",
     "scale": "profiling.simulate.scale",
     "paper": "profiling.simulate.paper",
+    "buckets": "profiling.simulate.buckets",
 }
 
 
