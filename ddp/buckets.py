@@ -89,7 +89,9 @@ def plan_buckets(
     smaller cap, `first_bucket_cap_mb`, so that the first all-reduce starts early.
     Frozen parameters have no gradient and no bucket. A parameter named in `sparse` has
     sparse gradients, which no flat buffer holds: it gets a bucket of its own, as in
-    torch's DDP."""
+    torch's DDP. Unlike torch's DDP, which adds a gradient and then closes the bucket
+    once it reaches its cap, a bucket here is closed before a gradient would pass it,
+    so the two can cut a model at different places (never to different results)."""
     for name, cap in (
         ("bucket_cap_mb", bucket_cap_mb),
         ("first_bucket_cap_mb", first_bucket_cap_mb),

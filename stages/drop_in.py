@@ -16,8 +16,9 @@ torch's DDP to this one:
     torchrun --standalone --nproc-per-node 2 -m stages.drop_in --model cnn
 
 As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, and a cap
-you give applies to the first bucket too. `static_graph=True` promises the graph is
-the same every step; here it only lets buckets be rebuilt with
+you give applies to the first bucket too (a bucket here stops short of its cap, where
+torch's passes it by one gradient: `ddp.buckets.plan_buckets`). `static_graph=True`
+promises the graph is the same every step; here it only lets buckets be rebuilt with
 `find_unused_parameters=True`. `device_ids` and `output_device` are accepted for one
 device per process, the only mode torch still supports. Arguments this project does
 not implement (`mixed_precision`, `device_mesh`, ...) raise an error naming them when

@@ -450,11 +450,14 @@ def test_a_stage_with_one_process_group_keeps_one_lane_by_hand():
 
 
 def test_torchs_default_layout_against_uniform_caps_by_hand():
-    # Three 2 MiB gradients, ready 5 (c), 10 (b) and 20 ms (a) into a 20 ms backward;
-    # forward 10, optimizer 5; 5 ms per MiB, no latency. torch's default: c alone in the
-    # 1 MiB first bucket, 15-25 ms; b and a together (4 MiB, under 25), ready at 30:
-    # 30-50, then the optimizer: 55 ms. At 2 MiB one each: c 15-25, b 25-35 (ready 20),
-    # a 35-45 (ready 30): 50 ms, 9.1% under the default. One bucket: 30-60, then 65.
+    # Gradients ready 2 (d, 0.5 MiB), 5 (c), 10 (b) and 20 ms (a, 2 MiB each) into a
+    # 20 ms backward; forward 10, optimizer 5; 5 ms per MiB, no latency. torch's
+    # default adds d, then c, and closes its 1 MiB first bucket once past the cap:
+    # d+c, 15-27.5 ms; b and a (4 MiB, under 25), ready at 30: 30-50; the optimizer:
+    # 55 ms. (Closed before the cap, as the stages do, d would go alone and c, b, a
+    # together: 65 ms.) The drop-in at 2 MiB, one each: d 12-14.5, c 15-25, b 25-35,
+    # a 35-45: 50 ms, 9.1% under torch's; at 1.5 MiB the same layout; one bucket,
+    # ready at 30: 30-62.5, then 67.5.
     import dataclasses
 
     from profiling.simulate.buckets import Shape, default_against_caps, parse_shape
@@ -463,15 +466,22 @@ def test_torchs_default_layout_against_uniform_caps_by_hand():
     calibration = two_gradients(0.0, 0.0, 0.0, buffer_bytes={"m": []})
     calibration = dataclasses.replace(calibration, cost=linear_cost(0.0, 0.005 / MiB))
     workload = Workload(
-        (Grad("a", 2 * MiB, 0.020), Grad("b", 2 * MiB, 0.010), Grad("c", 2 * MiB, 0.005)),
+        (
+            Grad("a", 2 * MiB, 0.020),
+            Grad("b", 2 * MiB, 0.010),
+            Grad("c", 2 * MiB, 0.005),
+            Grad("d", MiB // 2, 0.002),
+        ),
         forward_s=0.010,
         backward_s=0.020,
         optimizer_s=0.005,
     )
-    r = default_against_caps(workload, calibration, (2.0, 1e6), model="m")
-    assert r["default_ms"] == pytest.approx(55.0, abs=1e-3)  # + 24 bytes of status rows
-    assert r["caps_ms"] == pytest.approx({2.0: 50.0, 1e6: 65.0}, abs=1e-3)
-    assert (r["best_cap_mb"], r["gain_pct"]) == (2.0, pytest.approx(100 / 11, abs=1e-2))
+    r = default_against_caps(workload, calibration, (1.5, 2.0, 1e6), model="m")
+    assert r["default_ms"] == pytest.approx(55.0)
+    # + the drop-in's 32 bytes of status rows, 0.15 us
+    assert r["caps_ms"] == pytest.approx({1.5: 50.0, 2.0: 50.0, 1e6: 67.5}, abs=1e-3)
+    assert (r["best_cap_mb"], r["tied_caps_mb"]) == (2.0, [1.5, 2.0])
+    assert r["gain_pct"] == pytest.approx(100 / 11, abs=1e-2)
     assert parse_shape("512x20X512") == Shape(512, 20, 512)
     with pytest.raises(ValueError, match="shape '512x20'"):
         parse_shape("512x20")
@@ -488,3 +498,5 @@ def test_buckets_command_reads_the_docs_calibration(tmp_path, capsys):
         cli.main(["buckets", "--shapes", "64x3x16", "--nproc", "3"])
     with pytest.raises(SystemExit, match="shape '64x3'"):
         cli.main(["buckets", "--shapes", "64x3"])
+    with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
+        cli.main(["buckets", "--repeats", "0"])

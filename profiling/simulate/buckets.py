@@ -1,20 +1,23 @@
 """Where a bucket layout can win: torch's default layout against uniform caps, predicted.
 
-torch's `bucket_cap_mb=None` is 25 MiB with a 1 MiB first bucket, tuned for large
-models. A model of a few tens of MiB gets one small bucket and one holding the rest,
-which cannot start before backward ends. This command asks the validated model, before
-anything is measured on the cluster, which MLP shapes lose most to that layout: for each
-one it predicts drop_in's step at torch's default and at each uniform cap the automatic
-stage would try (`stages.auto_bucket.CANDIDATES_MB`), and prints the gain of the best.
+torch's `bucket_cap_mb=None` is 25 MiB after a 1 MiB first bucket, tuned for large
+models. A model of a few tens of MiB gets a first bucket of its last layer or two and
+a second holding the rest, which cannot start before backward ends. This command asks
+the validated model, before anything is measured on the cluster, how much each of
+some MLP shapes loses to that layout: for each it predicts torch's DDP step at its
+default layout and the drop-in's at each uniform cap the automatic stage would try
+(`stages.auto_bucket.CANDIDATES_MB`), and prints the gain of the best.
 
     python -m profiling.simulate buckets --shapes 1024x5x256 512x20x512
     python -m profiling.simulate buckets --network 4gbit --markdown /tmp/buckets.md
 
-A shape is width x depth x per-rank batch. Each shape's compute is measured here on one
-process with one thread (`inputs.measure_workload`); the collective cost and the
-slowdowns are a validation's calibration (its JSON, `validate --json`), at the rate and
-world size asked; nothing else is run. The slowdowns are those calibrated for the
-validation's MLP, the nearest kind of model.
+A shape is width x depth x per-rank batch; the default five are the benchmarks' MLP
+(2048 x 7), the validation's (1024 x 5) and three more spanning 19 to 44 MiB of
+gradients. Each shape's compute is measured here on one process with one thread
+(`inputs.measure_workload`); the collective cost and the slowdowns are a validation's
+calibration (its JSON, `validate --json`), at the rate and world size asked; nothing
+else is run. The slowdowns are those calibrated for the validation's MLP, the nearest
+kind of model.
 """
 
 from __future__ import annotations
@@ -22,8 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.schedule import Workload
 
 DEFAULT_SHAPES = ("2048x7x256", "1024x5x256", "1024x8x512", "1024x12x256", "512x20x512")
 CALIBRATION = "docs/results/simulate-validate.json"
@@ -52,27 +61,47 @@ def parse_shape(text: str) -> Shape:
 
 
 # --8<-- [start:against]
-def default_against_caps(workload, calibration, caps_mb, model: str = "mlp") -> dict:
-    """drop_in's predicted step (ms) with `workload` as `model`'s compute: at torch's
-    default layout, and at each uniform cap (no smaller first bucket, as an explicit cap
-    is); the best cap and its gain on the default, in percent of the default's step."""
-    from profiling.simulate.validate import Run, predict
+def default_against_caps(
+    workload: Workload, calibration: Calibration, caps_mb: Sequence[float], model: str = "mlp"
+) -> dict:
+    """Predicted steps (ms) with `workload` as `model`'s compute: torch's DDP at its
+    default layout (`layouts.torch_buckets`), and the drop-in at each uniform cap, both
+    with the drop-in's schedule (one lane, launched as buckets fill, copies in and out);
+    the best cap (of caps that build the same layout, the largest) and its gain on
+    torch's default, in percent of torch's step."""
+    from profiling.simulate.layouts import torch_buckets
+    from profiling.simulate.schedule import simulate
+    from profiling.simulate.validate import Run, layout, predict
 
     calibration = replace(calibration, workloads={**calibration.workloads, model: workload})
-
-    def step_ms(cap_mb: float | None) -> float:
-        run = Run(model, calibration.rate, calibration.world_size, "drop_in", cap_mb)
-        return predict(run, calibration)["predicted_ms"]
-
-    default = step_ms(None)
-    caps = {cap: step_ms(cap) for cap in caps_mb}
-    best = min(caps, key=caps.get)
+    # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
+    # status rows (the drop-in's predict adds both).
+    broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[model])
+    _, schedule = layout("drop_in", workload, 25.0, calibration)
+    torch_step = simulate(
+        replace(workload, forward_s=workload.forward_s + broadcast_s),
+        torch_buckets(workload),
+        calibration.cost,
+        schedule,
+        **calibration.contention(model),
+    )
+    world = calibration.world_size
+    caps = {
+        cap: predict(Run(model, calibration.rate, world, "drop_in", cap), calibration)[
+            "predicted_ms"
+        ]
+        for cap in caps_mb
+    }
+    best_ms = min(caps.values())
+    ties = [cap for cap, ms in caps.items() if ms == best_ms]  # the same layout, to the bit
+    default_ms = torch_step.step_s * 1e3
     return {
-        "default_ms": default,
+        "default_ms": default_ms,
         "caps_ms": caps,
-        "best_cap_mb": best,
-        "best_ms": caps[best],
-        "gain_pct": (1 - caps[best] / default) * 100,
+        "best_cap_mb": max(ties),
+        "tied_caps_mb": sorted(ties),
+        "best_ms": best_ms,
+        "gain_pct": (1 - best_ms / default_ms) * 100,
     }
 
 
@@ -108,40 +137,51 @@ def run(args: argparse.Namespace) -> None:
     from profiling.simulate.inputs import measure_workload
     from stages.auto_bucket import CANDIDATES_MB
 
+    def fail(why: str) -> NoReturn:
+        sys.exit(f"profiling.simulate buckets: {why}")
+
     try:
         shapes = [parse_shape(s) for s in args.shapes]
     except ValueError as e:
-        sys.exit(f"profiling.simulate buckets: {e}")
+        fail(str(e))
+    if args.repeats < 1:
+        fail(f"--repeats must be at least 1, got {args.repeats}")
     path = Path(args.calibration)
     if not path.is_file():
-        sys.exit(
-            f"profiling.simulate buckets: no calibration file {path}; run "
-            "`python -m profiling.simulate validate --json FILE` and pass --calibration FILE"
+        fail(
+            f"no calibration file {path}; run `python -m profiling.simulate validate "
+            "--json FILE` and pass --calibration FILE"
         )
+    data = json.loads(path.read_text())
+    if "calibrations" not in data:
+        fail(f"{path} holds no calibrations: give the JSON `validate --json` writes")
     found = [
         c
-        for c in json.loads(path.read_text())["calibrations"]
+        for c in data["calibrations"]
         if c["rate"] == args.network and c["world_size"] == args.nproc
     ]
     if not found:
-        sys.exit(
-            f"profiling.simulate buckets: {path} has no calibration at {args.network} on "
-            f"{args.nproc} ranks; pick --network and --nproc from the validation's grid"
+        fail(
+            f"{path} has no calibration at {args.network} on {args.nproc} ranks; pick "
+            "--network and --nproc from the validation's grid"
         )
+    if "mlp" not in found[0]["models"]:
+        fail(f"{path}'s calibration at {args.network} on {args.nproc} ranks has no MLP")
     calibration = Calibration.from_json(found[0])
     body = []
     for shape in shapes:
         cfg = Config(model="mlp", width=shape.width, depth=shape.depth, batch_size=shape.batch_size)
         workload = measure_workload(cfg, args.nproc, repeats=args.repeats, warmup=2)
         r = default_against_caps(workload, calibration, CANDIDATES_MB)
-        mib = sum(g.nbytes for g in workload.grads) / 2**20
+        ties = r["tied_caps_mb"]
+        caps = f"{ties[0]:g}" if len(ties) == 1 else f"{ties[0]:g} to {ties[-1]:g}"
         body.append(
             [
                 shape.label,
-                f"{mib:.0f}",
-                f"{workload.compute_s * 1e3:.0f}",
+                f"{sum(g.nbytes for g in workload.grads) / 2**20:.1f}",
+                f"{workload.compute_s * 1e3:.1f}",
                 f"{r['default_ms']:.1f}",
-                f"{r['best_cap_mb']:g}: {r['best_ms']:.1f}",
+                f"{caps}: {r['best_ms']:.1f}",
                 f"{r['gain_pct']:.1f}%",
             ]
         )
@@ -151,12 +191,16 @@ def run(args: argparse.Namespace) -> None:
         "gradients MiB",
         "compute ms",
         "torch's default ms",
-        "best uniform cap: ms",
+        "best uniform caps (MiB): ms",
         "predicted gain",
     ]
     text = "\n".join(
         [
-            produced_by([command_line("profiling.simulate")], ", from the repository root"),
+            produced_by(
+                [command_line("profiling.simulate")],
+                ", from the repository root. Caps that build the same layout share a row: "
+                "below a weight's size, each weight has its own bucket",
+            ),
             "",
             markdown_table(header, body),
             "",

@@ -40,6 +40,31 @@ def uniform_buckets(
     return [[index[id(p)] for _, p in members] for members in plan]
 
 
+# --8<-- [start:torch]
+def torch_buckets(
+    workload: Workload, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
+) -> list[list[int]]:
+    """The layout torch's DDP rebuilds after its first step (defaults: its
+    `bucket_cap_mb=None`), as lists of gradient indices in bucket order: the gradients in
+    ready order, cut by torch's own `_compute_bucket_assignment_by_size`. torch adds a
+    gradient and then closes the bucket once it reaches its cap, so a bucket can pass
+    the cap by one gradient; `plan_buckets` closes it before a gradient would."""
+    import torch.distributed as dist
+
+    named = stand_ins(workload)
+    order = sorted(range(len(named)), key=lambda i: workload.grads[i].ready_s)
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [named[i][1] for i in order],
+        [int(first_bucket_cap_mb * 2**20), int(bucket_cap_mb * 2**20)],
+        [False] * len(order),
+        order,  # each tensor's label: its gradient's index
+    )
+    return [list(b) for b in buckets]
+
+
+# --8<-- [end:torch]
+
+
 def per_parameter(workload: Workload) -> list[list[int]]:
     """Naive: one all-reduce per gradient, in parameter order."""
     return [[i] for i in range(len(workload.grads))]

@@ -77,7 +77,7 @@ class Run:
     rate: str
     world_size: int
     stage: str
-    cap_mb: float | None  # None: naive (no buckets), compute_only; drop_in: torch's default
+    cap_mb: float | None  # None: naive (no buckets) and compute_only
 
     @property
     def group(self) -> tuple[str, str, int]:
@@ -132,13 +132,8 @@ def layout(
     if stage == "overlapped":
         return uniform_buckets(workload, cap_mb), asynchronous
     if stage == "drop_in":
-        # Rebuilt in ready order; an explicit cap means no smaller first bucket, and no
-        # cap torch's default (bucket_cap_mb=None): 25 MiB after a 1 MiB first bucket.
-        from stages.drop_in import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB
-
-        first = DEFAULT_FIRST_BUCKET_CAP_MB if cap_mb is None else None
-        cap = DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb
-        buckets = uniform_buckets(workload, cap, first_bucket_cap_mb=first, ready_order=True)
+        # Rebuilt in ready order; an explicit cap means no smaller first bucket.
+        buckets = uniform_buckets(workload, cap_mb, first_bucket_cap_mb=None, ready_order=True)
         return buckets, asynchronous
     raise ValueError(f"no model of stage {stage!r}; pick one of {STAGES}")
 
