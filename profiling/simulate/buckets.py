@@ -77,6 +77,8 @@ def default_against_caps(
     # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
     # status rows (the drop-in's predict adds both).
     broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[model])
+    # The drop-in's schedule, whatever the cap (it only picks the buckets, dropped here);
+    # torch's DDP also copies each gradient into its bucket and back.
     _, schedule = layout("drop_in", workload, 25.0, calibration)
     torch_step = simulate(
         replace(workload, forward_s=workload.forward_s + broadcast_s),
