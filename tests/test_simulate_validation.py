@@ -20,10 +20,11 @@ from profiling.simulate.calibrate import (
     flight_under,
     lanes,
     latency_slowdowns,
+    model_trickle,
     trickle_slowdowns,
 )
 from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
-from profiling.simulate.schedule import Grad, StageSchedule, Workload, linear_cost, simulate
+from profiling.simulate.schedule import Grad, Workload, linear_cost
 from profiling.simulate.validate import (
     Run,
     analyse,
@@ -148,21 +149,6 @@ def test_communications_slowdown_from_when_it_ended_by_hand():
     assert comm_slowdown([[5.0, 2.0]], alone_s=2.0) == pytest.approx(19.0)
 
 
-def model_trickle(compute_s, calls, cost, busy_s, ls, cls):
-    """The calibration's trickle as the model schedules it, in the worker's format:
-    `calls` all-reduces of 4 KiB ready at even steps of a compute, the last at its end,
-    overlapped, with these slowdowns; each call's [start, end] (start: when served)."""
-    grads = tuple(Grad(f"call {k}", 4096, compute_s * (k + 1) / calls) for k in range(calls))
-    step = simulate(
-        Workload(grads, forward_s=0.0, backward_s=compute_s, optimizer_s=0.0),
-        [[k] for k in range(calls)], cost, StageSchedule(overlap=True, busy_launch_s=busy_s),
-        slowdown=ls, comm_slowdown=cls, latency_slowdown=ls, comm_latency_slowdown=cls,
-    )  # fmt: skip
-    backward = next(s for s in step.lane("compute") if s.label == "backward")
-    spans = [[s.start_s, s.end_s] for s in step.lane("comm")]
-    return [backward.end_s, spans[-1][1], compute_s, spans]
-
-
 def test_flight_under_compute_by_hand():
     # Calls flying 1-3, launched at 2.5 and served 3-5, launched at 6 and flying to 7;
     # the compute ended at 6.5: in flight 1-5 and 6-6.5, 4.5 s; the second launched
@@ -205,18 +191,37 @@ def test_trickle_slowdowns_give_back_the_models_own():
     assert sum(a[3], []) != pytest.approx(sum(b[3], []), rel=1e-2)
 
 
-def test_latency_slowdowns_per_repeat_then_the_median():
-    # Three repeats made at (0.4, 3), (2.8, 1.2) and (1, 0.5), each with its own
-    # compute alone (16, 20 and 12 ms): the medians 1 and 1.2. Against one compute
-    # alone (the median, 16 ms) the first and third would give other figures.
+def test_latency_slowdowns_give_back_the_models_trickle():
+    # Repeats all made by the model at (0.8, 0.5): both come back.
+    cost = linear_cost(0.5e-3, 0.0)
+    repeats = [model_trickle(16e-3, 16, cost, 0.0, 0.8, 0.5) for _ in range(3)]
+    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    assert latency_slowdowns(sequence, cost, 0.0) == pytest.approx(
+        {"latency_slowdown": 0.8, "comm_latency_slowdown": 0.5}, abs=1e-9
+    )
+
+
+def test_latency_slowdown_ends_the_models_trickle_at_the_median_repeat():
+    # Three repeats made at (0.4, 3), (2.8, 1.2) and (1, 0.5), each with its own compute
+    # alone (16, 20 and 12 ms). Communication: each repeat's figure, the median, 1.2.
+    # Compute: the model's trickle over the median alone (16 ms) at 1.2 ends where the
+    # median repeat's compute did; the median of the three latency figures (1.0) ends
+    # it elsewhere.
     cost = linear_cost(0.5e-3, 0.0)
     made = [(16e-3, 0.4, 3.0), (20e-3, 2.8, 1.2), (12e-3, 1.0, 0.5)]
     repeats = [model_trickle(t, 16, cost, 0.0, ls, cls) for t, ls, cls in made]
     sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
-    assert latency_slowdowns(sequence, cost, 0.0) == {
-        "latency_slowdown": pytest.approx(1.0, abs=1e-9),
-        "comm_latency_slowdown": pytest.approx(1.2, abs=1e-9),
-    }
+    got = latency_slowdowns(sequence, cost, 0.0)
+    assert got["comm_latency_slowdown"] == pytest.approx(1.2, abs=1e-9)
+    median_end = sorted(r[0] for r in repeats)[1]
+    replay = model_trickle(16e-3, 16, cost, 0.0, got["latency_slowdown"], 1.2)
+    assert replay[0] == pytest.approx(median_end, rel=1e-9)
+    at_medians = model_trickle(16e-3, 16, cost, 0.0, 1.0, 1.2)
+    assert at_medians[0] != pytest.approx(median_end, rel=1e-2)
+    # A compute that ended before the model's at no slowdown at all: 0, not below.
+    fast = [[r[2] * 0.9, r[1], r[2], r[3]] for r in repeats]
+    sequence["trickle"]["repeats"] = fast
+    assert latency_slowdowns(sequence, cost, 0.0)["latency_slowdown"] == 0.0
 
 
 def test_buffer_bytes_per_dtype_by_hand():

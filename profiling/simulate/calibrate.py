@@ -105,6 +105,7 @@ SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a fe
 # 23-28 on 4, within the validated models' backward (15-58 ms): a launch a millisecond
 # or two.
 TRICKLE_MATMULS = 5
+LATENCY_SLOWDOWN_MAX = 20.0  # the fit's upper end: compute 21 times slower while calls fly
 ENV = "SIMULATE_CALIBRATION"
 
 
@@ -276,17 +277,76 @@ def trickle_slowdowns(repeat: list, one_call_s: float, busy_launch_s: float) -> 
 # --8<-- [end:trickle]
 
 
+def model_trickle(
+    compute_s: float,
+    calls: int,
+    cost: CostModel,
+    busy_launch_s: float,
+    latency_slowdown: float,
+    comm_latency_slowdown: float,
+) -> list:
+    """The trickle as the model schedules it, in the worker's repeat format: `calls`
+    all-reduces of 4 KiB ready at even steps of a `compute_s` compute, the last at its
+    end, each in a bucket of its own on one lane, at these slowdowns (all four: the
+    calls are latency-bound); [compute's end, last call's end, compute_s, [[start,
+    end] per call]], a call's start being when the lane serves it."""
+    from profiling.simulate.schedule import Grad, StageSchedule, simulate
+
+    grads = tuple(Grad(f"call {k}", 4096, compute_s * (k + 1) / calls) for k in range(calls))
+    step = simulate(
+        Workload(grads, forward_s=0.0, backward_s=compute_s, optimizer_s=0.0),
+        [[k] for k in range(calls)],
+        cost,
+        StageSchedule(overlap=True, busy_launch_s=busy_launch_s),
+        slowdown=latency_slowdown,
+        comm_slowdown=comm_latency_slowdown,
+        latency_slowdown=latency_slowdown,
+        comm_latency_slowdown=comm_latency_slowdown,
+    )
+    backward = next(s for s in step.lane("compute") if s.label == "backward")
+    spans = [[s.start_s, s.end_s] for s in step.lane("comm")]
+    return [backward.end_s, spans[-1][1], compute_s, spans]
+
+
+# --8<-- [start:latency]
 def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> dict[str, float]:
-    """`latency_slowdown` and `comm_latency_slowdown`: `trickle_slowdowns` per repeat of
-    the sequence's trickle (each against that repeat's own compute alone, a call at
-    the model's cost of its size), then the median of each, never below 0."""
+    """The two slowdowns of small all-reduces under compute, from the trickle's repeats.
+
+    - `comm_latency_slowdown`: `trickle_slowdowns`' per repeat (each against that
+      repeat's own compute alone, a call at the model's cost of its size), the median,
+      never below 0.
+    - `latency_slowdown`: the one at which the model's own trickle (`model_trickle`,
+      the repeats' median compute alone, that communication slowdown) ends its compute
+      where the repeats' median did. Each repeat's pair gives that repeat back, but the
+      two medians, taken apart, need not give back the median repeat: on 2 ranks at
+      1 Gbit/s they ended the model's trickle 15% early. With the communication's
+      fixed, the compute's end rises with the slowdown, so one figure fits it (both
+      fitted to the two ends fit a whole curve of pairs)."""
     one_call_s = cost(sequence["size_bytes"]).seconds
     repeats = sequence["trickle"]["repeats"]
     pairs = [trickle_slowdowns(r, one_call_s, busy_launch_s) for r in repeats]
-    return {
-        "latency_slowdown": max(0.0, statistics.median(p[0] for p in pairs)),
-        "comm_latency_slowdown": max(0.0, statistics.median(p[1] for p in pairs)),
-    }
+    comm = max(0.0, statistics.median(p[1] for p in pairs))
+    alone_s = statistics.median(r[2] for r in repeats)
+    end_s = statistics.median(r[0] for r in repeats)
+
+    def compute_end_s(latency: float) -> float:
+        trickle = model_trickle(alone_s, len(repeats[0][3]), cost, busy_launch_s, latency, comm)
+        return trickle[0]
+
+    if compute_end_s(0.0) >= end_s:  # no later than the model's with no slowdown
+        latency = 0.0
+    elif compute_end_s(LATENCY_SLOWDOWN_MAX) <= end_s:
+        latency = LATENCY_SLOWDOWN_MAX
+    else:  # bisection, to 20 / 2**50
+        low, high = 0.0, LATENCY_SLOWDOWN_MAX
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (middle, high) if compute_end_s(middle) < end_s else (low, middle)
+        latency = (low + high) / 2
+    return {"latency_slowdown": latency, "comm_latency_slowdown": comm}
+
+
+# --8<-- [end:latency]
 
 
 def buffer_bytes(cfg: Config) -> list[int]:
