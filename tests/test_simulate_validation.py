@@ -12,6 +12,7 @@ import torch
 from ddp.config import Config
 from ddp.models import build_model
 from profiling.simulate.calibrate import (
+    LATENCY_SLOWDOWN_MAX,
     buffer_bytes,
     busy_launch_s,
     call_s,
@@ -202,26 +203,29 @@ def test_latency_slowdowns_give_back_the_models_trickle():
 
 
 def test_latency_slowdown_ends_the_models_trickle_at_the_median_repeat():
-    # Three repeats made at (0.4, 3), (2.8, 1.2) and (1, 0.5), each with its own compute
-    # alone (16, 20 and 12 ms). Communication: each repeat's figure, the median, 1.2.
-    # Compute: the model's trickle over the median alone (16 ms) at 1.2 ends where the
-    # median repeat's compute did; the median of the three latency figures (1.0) ends
-    # it elsewhere.
+    # Three repeats made at (2.8, 1.2), (0.4, 3) and (1, 0.5), each with its own compute
+    # alone (20, 16 and 13 ms: the median 16, not the mean, nor the first's).
+    # Communication: each repeat's figure, the median, 1.2. Compute: the model's
+    # trickle over the median alone at 1.2 ends where the median repeat's compute did;
+    # the median of the three latency figures (1.0) ends it elsewhere.
     cost = linear_cost(0.5e-3, 0.0)
-    made = [(16e-3, 0.4, 3.0), (20e-3, 2.8, 1.2), (12e-3, 1.0, 0.5)]
+    made = [(20e-3, 2.8, 1.2), (16e-3, 0.4, 3.0), (13e-3, 1.0, 0.5)]
     repeats = [model_trickle(t, 16, cost, 0.0, ls, cls) for t, ls, cls in made]
+    ends = [r[0] for r in repeats]
+    median_end = sorted(ends)[1]
+    assert median_end not in (ends[0], sum(ends) / 3)  # the median is its own figure
     sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
     got = latency_slowdowns(sequence, cost, 0.0)
     assert got["comm_latency_slowdown"] == pytest.approx(1.2, abs=1e-9)
-    median_end = sorted(r[0] for r in repeats)[1]
     replay = model_trickle(16e-3, 16, cost, 0.0, got["latency_slowdown"], 1.2)
     assert replay[0] == pytest.approx(median_end, rel=1e-9)
     at_medians = model_trickle(16e-3, 16, cost, 0.0, 1.0, 1.2)
     assert at_medians[0] != pytest.approx(median_end, rel=1e-2)
-    # A compute that ended before the model's at no slowdown at all: 0, not below.
-    fast = [[r[2] * 0.9, r[1], r[2], r[3]] for r in repeats]
-    sequence["trickle"]["repeats"] = fast
-    assert latency_slowdowns(sequence, cost, 0.0)["latency_slowdown"] == 0.0
+    # Computes that ended before the model's at no slowdown at all: 0, not below; so
+    # late that no slowdown up to the fit's end reaches them: that end.
+    for scale, expected in [(0.9, 0.0), (40.0, LATENCY_SLOWDOWN_MAX)]:
+        sequence["trickle"]["repeats"] = [[r[2] * scale, r[1], r[2], r[3]] for r in repeats]
+        assert latency_slowdowns(sequence, cost, 0.0)["latency_slowdown"] == expected
 
 
 def test_buffer_bytes_per_dtype_by_hand():

@@ -35,15 +35,18 @@ running `worker` (this module under torchrun), which measures, in this order:
      overlapped stage launches its buckets through backward, against the same compute
      alone, each call stamping its launch and its end: `latency_slowdown` and
      `comm_latency_slowdown`, how much longer compute takes while small all-reduces
-     fly, and they while it runs (`trickle_slowdowns`). A large all-reduce mostly
-     waits for the link, a small one for the cores (each message round wakes a
-     thread), so the two share the cores differently. Launched one at a time, each
-     wakes Gloo's thread on cores the compute holds: on 2 ranks, 16 trickled through
+     fly, and they while it runs (`latency_slowdowns`: the communication's from each
+     repeat's flights, `trickle_slowdowns`, the compute's fitted to the median
+     repeat). A large all-reduce mostly waits for the link, a small one for the cores
+     (each message round wakes a thread), so the two share the cores differently.
+     Launched one at a time, each wakes Gloo's thread on cores the compute holds: on
+     2 ranks, 16 trickled through
      16 ms of matmuls ended, in one calibration, about when the same compute and then
      the same 16 one after the other would have (31.6 against 16.1 + 16.5 ms), where 16
      launched all at once at its start ended inside the compute. The calls' stamps are
      needed: where the lane keeps up with the launches, the two ends alone (the
-     compute's and the last call's) fit a whole curve of pairs;
+     compute's and the last call's) fit a whole curve of pairs, where one end and the
+     flights pick one;
 5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
    repeat kept), and the same backward again with one all-reduce in flight that lasts
@@ -284,15 +287,16 @@ def model_trickle(
     busy_launch_s: float,
     latency_slowdown: float,
     comm_latency_slowdown: float,
+    nbytes: int = SEQUENCE_BYTES,
 ) -> list:
     """The trickle as the model schedules it, in the worker's repeat format: `calls`
-    all-reduces of 4 KiB ready at even steps of a `compute_s` compute, the last at its
+    all-reduces of `nbytes` ready at even steps of a `compute_s` compute, the last at its
     end, each in a bucket of its own on one lane, at these slowdowns (all four: the
     calls are latency-bound); [compute's end, last call's end, compute_s, [[start,
     end] per call]], a call's start being when the lane serves it."""
     from profiling.simulate.schedule import Grad, StageSchedule, simulate
 
-    grads = tuple(Grad(f"call {k}", 4096, compute_s * (k + 1) / calls) for k in range(calls))
+    grads = tuple(Grad(f"call {k}", nbytes, compute_s * (k + 1) / calls) for k in range(calls))
     step = simulate(
         Workload(grads, forward_s=0.0, backward_s=compute_s, optimizer_s=0.0),
         [[k] for k in range(calls)],
@@ -319,9 +323,11 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
       the repeats' median compute alone, that communication slowdown) ends its compute
       where the repeats' median did. Each repeat's pair gives that repeat back, but the
       two medians, taken apart, need not give back the median repeat: on 2 ranks at
-      1 Gbit/s they ended the model's trickle 15% early. With the communication's
-      fixed, the compute's end rises with the slowdown, so one figure fits it (both
-      fitted to the two ends fit a whole curve of pairs)."""
+      1 Gbit/s, in one calibration, they ended the model's compute 9% early and its
+      last call 15% early (fitted, the compute's end is the median's and the last
+      call's 8% early). With the communication's fixed, the compute's end rises with
+      the slowdown, so one figure fits it (both fitted to the two ends fit a whole
+      curve of pairs)."""
     one_call_s = cost(sequence["size_bytes"]).seconds
     repeats = sequence["trickle"]["repeats"]
     pairs = [trickle_slowdowns(r, one_call_s, busy_launch_s) for r in repeats]
@@ -329,9 +335,10 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
     alone_s = statistics.median(r[2] for r in repeats)
     end_s = statistics.median(r[0] for r in repeats)
 
+    calls, nbytes = sequence["trickle"]["calls"], sequence["size_bytes"]
+
     def compute_end_s(latency: float) -> float:
-        trickle = model_trickle(alone_s, len(repeats[0][3]), cost, busy_launch_s, latency, comm)
-        return trickle[0]
+        return model_trickle(alone_s, calls, cost, busy_launch_s, latency, comm, nbytes)[0]
 
     if compute_end_s(0.0) >= end_s:  # no later than the model's with no slowdown
         latency = 0.0
