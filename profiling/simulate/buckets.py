@@ -71,20 +71,17 @@ def default_against_caps(
     torch's default, in percent of torch's step."""
     from profiling.simulate.layouts import torch_buckets
     from profiling.simulate.schedule import simulate
-    from profiling.simulate.validate import Run, layout, predict
+    from profiling.simulate.validate import Run, asynchronous_schedule, buffer_broadcast_s, predict
 
     calibration = replace(calibration, workloads={**calibration.workloads, model: workload})
     # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
     # status rows (the drop-in's predict adds both).
-    broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[model])
-    # The drop-in's schedule, whatever the cap (it only picks the buckets, dropped here);
-    # torch's DDP also copies each gradient into its bucket and back.
-    _, schedule = layout("drop_in", workload, 25.0, calibration)
+    broadcast_s = buffer_broadcast_s(calibration, model)
     torch_step = simulate(
         replace(workload, forward_s=workload.forward_s + broadcast_s),
         torch_buckets(workload),
         calibration.cost,
-        schedule,
+        asynchronous_schedule(calibration),
         **calibration.contention(model),
     )
     world = calibration.world_size

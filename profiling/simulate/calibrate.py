@@ -40,10 +40,10 @@ running `worker` (this module under torchrun), which measures, in this order:
      repeat). A large all-reduce mostly waits for the link, a small one for the cores
      (each message round wakes a thread), so the two share the cores differently.
      Launched one at a time, each wakes Gloo's thread on cores the compute holds: on
-     2 ranks, 16 trickled through
-     16 ms of matmuls ended, in one calibration, about when the same compute and then
-     the same 16 one after the other would have (31.6 against 16.1 + 16.5 ms), where 16
-     launched all at once at its start ended inside the compute. The calls' stamps are
+     2 ranks, 16 trickled through 16 ms of matmuls ended, in one calibration, about
+     when the same compute and then the same 16 one after the other would have (31.6
+     against 16.1 + 16.5 ms), where 16 launched all at once at its start ended inside
+     the compute. The calls' stamps are
      needed: where the lane keeps up with the launches, the two ends alone (the
      compute's and the last call's) fit a whole curve of pairs, where one end and the
      flights pick one;
@@ -334,7 +334,6 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
     comm = max(0.0, statistics.median(p[1] for p in pairs))
     alone_s = statistics.median(r[2] for r in repeats)
     end_s = statistics.median(r[0] for r in repeats)
-
     calls, nbytes = sequence["trickle"]["calls"], sequence["size_bytes"]
 
     def compute_end_s(latency: float) -> float:

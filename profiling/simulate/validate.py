@@ -108,6 +108,22 @@ def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]
 
 
 # --8<-- [start:layout]
+def asynchronous_schedule(calibration: Calibration) -> StageSchedule:
+    """The schedule of a stage that launches its buckets as they fill (overlapped,
+    drop_in, and torch's DDP alike): one lane, the calibration's busy launch, and each
+    gradient copied into its bucket and the average back (the benchmark leaves
+    gradient_as_bucket_view off)."""
+    from profiling.simulate.schedule import StageSchedule
+
+    copy = calibration.copy_s_per_byte
+    return StageSchedule(
+        overlap=True,
+        busy_launch_s=calibration.busy_launch_s,
+        copy_in_s_per_byte=copy,
+        copy_out_s_per_byte=copy,
+    )
+
+
 def layout(
     stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
 ) -> tuple[list[list[int]], StageSchedule]:
@@ -123,7 +139,7 @@ def layout(
     # naive all-reduces the gradient itself, then divides it in place.
     copy = calibration.copy_s_per_byte
     copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy}
-    asynchronous = StageSchedule(overlap=True, busy_launch_s=calibration.busy_launch_s, **copies)
+    asynchronous = asynchronous_schedule(calibration)
     if stage == "naive":
         schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy)
         return per_parameter(workload), schedule
@@ -141,6 +157,14 @@ def layout(
 # --8<-- [end:layout]
 
 
+def buffer_broadcast_s(calibration: Calibration, model: str) -> float:
+    """broadcast_buffers (torch's default, the drop-in's too): rank 0's buffers before
+    each forward, one broadcast per dtype, costed as an all-reduce of as many bytes
+    (both are a few message rounds at these sizes). The CNN's BatchNorm has two; the
+    MLP none."""
+    return sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[model])
+
+
 def predict(run: Run, calibration: Calibration) -> dict:
     """The simulated step of `run` under its (rate, world size)'s calibration."""
     import dataclasses
@@ -151,10 +175,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
     if run.stage == FLOOR:
         return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
     if run.stage == "drop_in":
-        # broadcast_buffers (torch's default): rank 0's buffers before each forward, one
-        # broadcast per dtype, costed as an all-reduce of as many bytes (both are a few
-        # message rounds at these sizes). The CNN's BatchNorm has two; the MLP none.
-        broadcast_s = sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[run.model])
+        broadcast_s = buffer_broadcast_s(calibration, run.model)
         # After the last bucket, one blocking all-reduce of the status rows (every rank's
         # row of one int32 per gradient, `stages/missing_grads.py`), before the optimizer.
         status_s = calibration.cost(4 * calibration.world_size * len(workload.grads)).seconds
