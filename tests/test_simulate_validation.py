@@ -509,3 +509,95 @@ def test_buckets_command_reads_the_docs_calibration(tmp_path, capsys):
         cli.main(["buckets", "--shapes", "64x3"])
     with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
         cli.main(["buckets", "--repeats", "0"])
+
+
+# - one run's measurement as the prediction of another's ------------------------------------
+
+
+def _validate_json(record) -> dict:
+    """A validate run's JSON, cut to what `profiling.simulate repeat` reads."""
+    m = measurements([record])
+    return {"bench": [record], "analysis": analyse(PREDICTED, m)}
+
+
+# RECORD again, but overlapped with one bucket runs 117/123 ms a round (median 120)
+# instead of 195/205 (200): now the fastest overlapped cap, where RECORD's is 5 MiB.
+FASTER_ONE_BUCKET = bench_record(
+    [v for v in RECORD["variants"] if (v["name"], v["sweep_value"]) != ("overlapped", 1e6)]
+    + [variant("overlapped", 1e6, [117, 117, 123, 123])]
+)
+
+
+def test_repeat_pairs_by_hand(tmp_path, capsys):
+    from profiling.simulate import cli
+
+    paths = []
+    for name, record in [("x", RECORD), ("y", FASTER_ONE_BUCKET)]:
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(_validate_json(record)))
+    out = tmp_path / "repeat.json"
+    cli.main(["repeat", *map(str, paths), "--json", str(out)])
+    data = json.loads(out.read_text())
+    x_y, y_x = data["analysis"]["pairs"]
+    assert (x_y["predictor"], x_y["measured"]) == (0, 1)
+    # The one run that differs: x's 200 against y's 120 is 66.7% off, y's 120 against
+    # x's 200 is 40% off; the other 8 counted runs are equal, so the medians are 0.
+    assert x_y["worst_error_pct"] == pytest.approx(200 / 120 * 100 - 100)
+    assert y_x["worst_error_pct"] == pytest.approx(40.0)
+    assert x_y["median_error_pct"] == 0 and x_y["runs"] == 9
+    # Bucketed: equal everywhere, the same best cap. Overlapped: 5 MiB in x, one bucket in
+    # y, two grid steps apart, and y's rounds at 5 MiB (140, 145) are slower than at one
+    # bucket (117, 123) in both: beyond the noise.
+    assert (x_y["best_bucket_ok"], x_y["best_bucket_checked"]) == (1, 2)
+    assert x_y["best_bucket_within_noise"] == 1
+    # Each run orders bucketed and overlapped with one bucket the other way round.
+    assert x_y["ranking_ok"] < x_y["ranking_checked"]
+    assert data["analysis"]["fastest"][1] == {
+        "slice": "mlp 1gbit x2 overlapped",
+        "caps_mb": [5.0, 1e6],
+        "model": "mlp",
+    }
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (
+        "measurement as prediction over 2 pairs of 2 runs: median error <= 10% in 2, "
+        "worst <= 20% in 0 (40.0-66.7%); best bucket within one grid step everywhere in 0, "
+        "within the noise in 0; ranked as measured in 0"
+    )
+    # --render gives the same from the kept medians alone.
+    cli.main(["repeat", "--render", str(out), "--markdown", str(tmp_path / "r.md")])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == last
+    assert "\n| 1 → 2 | 0.0% | 66.7% | 1 | 1 of 2 | 1 of 2 |" in (tmp_path / "r.md").read_text()
+
+
+def test_repeat_a_run_against_its_copy_meets_every_check(tmp_path, capsys):
+    from profiling.simulate import cli
+
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(_validate_json(RECORD)))
+    cli.main(["repeat", str(path), str(path)])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "measurement as prediction over 2 pairs of 2 runs: median error <= 10% in 2, "
+        "worst <= 20% in 2 (0.0-0.0%); best bucket within one grid step everywhere in 2, "
+        "within the noise in 2; ranked as measured in 2"
+    )
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ([RECORD], "needs at least two validate runs' JSON, got 1"),
+        ([RECORD, None], "is not a validate run's JSON"),
+        ([RECORD, bench_record(RECORD["variants"][:5])], "the runs measured different grids"),
+    ],
+)
+def test_repeat_bad_input_names_the_problem(tmp_path, files, message):
+    from profiling.simulate import cli
+
+    paths = []
+    for k, record in enumerate(files):
+        paths.append(tmp_path / f"{k}.json")
+        paths[-1].write_text(
+            json.dumps({"bench": []} if record is None else _validate_json(record))
+        )
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["repeat", *map(str, paths)])

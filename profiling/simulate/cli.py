@@ -5,6 +5,7 @@ python -m profiling.simulate gantt                 the simulated step of each st
 python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
 python -m profiling.simulate paper                 the papers' figures against the model
 python -m profiling.simulate buckets               where torch's default layout loses most
+python -m profiling.simulate repeat                one validate run's measurement against another's
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ COMMANDS = {
     "scale": "profiling.simulate.scale",
     "paper": "profiling.simulate.paper",
     "buckets": "profiling.simulate.buckets",
+    "repeat": "profiling.simulate.repeat",
 }
 
 

@@ -88,6 +88,31 @@ class Run:
         cap = "" if self.cap_mb is None else f" cap {self.cap_mb:g}"
         return f"{self.model} {self.rate} x{self.world_size} {self.stage}{cap}"
 
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "rate": self.rate,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "cap_mb": self.cap_mb,
+        }
+
+    @classmethod
+    def from_json(cls, p: dict) -> Run:
+        """A run from its fields in a dict that may hold more (a prediction, a step)."""
+        return cls(p["model"], p["rate"], p["world_size"], p["stage"], p["cap_mb"])
+
+    @property
+    def table_order(self) -> tuple:
+        """Where the run goes in the tables: by model, cluster, stage, then cap."""
+        return (
+            self.model,
+            self.rate,
+            self.world_size,
+            (FLOOR, *STAGES).index(self.stage),
+            (self.cap_mb or 0.0),
+        )
+
 
 def grid(models: Sequence[str], rates: Sequence[str], world_sizes: Sequence[int]) -> list[Run]:
     """Every run, grouped by (model, rate, world size) as the benchmark measures them."""
@@ -361,7 +386,7 @@ def _beyond_noise(a: Measured, b: Measured) -> bool:
 def analyse(predicted: dict[Run, float], measured: dict[Run, Measured]) -> dict:
     """The table's rows, the error summary, the best-bucket and ranking checks."""
     rows = []
-    for run in sorted(predicted, key=_table_order):
+    for run in sorted(predicted, key=lambda r: r.table_order):
         m = measured.get(run)
         rows.append(
             {
@@ -386,11 +411,6 @@ def analyse(predicted: dict[Run, float], measured: dict[Run, Measured]) -> dict:
         "ranking": ranks,
         "ranking_ok": all(r["ok"] for r in ranks),
     }
-
-
-def _table_order(run: Run) -> tuple:
-    stage = (FLOOR, *STAGES).index(run.stage)
-    return run.model, run.rate, run.world_size, stage, run.cap_mb or 0.0
 
 
 def summary_line(analysis: dict) -> str:
@@ -620,12 +640,12 @@ def run(args: argparse.Namespace) -> None:
                 mine = [r for r in runs if (r.rate, r.world_size) == (rate, world)]
                 floors = sorted({Run(*r.group, FLOOR, None) for r in mine})
                 predictions = [
-                    {**_run_json(r), **predict(r, calibration)}
-                    for r in sorted([*floors, *mine], key=_table_order)
+                    {**r.to_json(), **predict(r, calibration)}
+                    for r in sorted([*floors, *mine], key=lambda r: r.table_order)
                 ]
                 print(f"predicted step times at {rate} on {world} ranks, before measuring:")
                 for p in predictions:
-                    print(f"  {_from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
+                    print(f"  {Run.from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
                 sys.stdout.flush()
                 data["predictions"] += predictions
                 if args.json:  # kept as it grows: a later failure leaves what was done
@@ -640,7 +660,7 @@ def run(args: argparse.Namespace) -> None:
                     data["bench"] += _twice(_bench, command, path)
                     if args.json:
                         write_json(args.json, data)
-    data["predictions"].sort(key=lambda p: _table_order(_from_json(p)))
+    data["predictions"].sort(key=lambda p: Run.from_json(p).table_order)
     finished = time.perf_counter()
     data["machine"] = machine()
     data["elapsed_s"] = {
@@ -674,25 +694,11 @@ def _twice(measure, *args):
         return measure(*args)
 
 
-def _run_json(run: Run) -> dict:
-    return {
-        "model": run.model,
-        "rate": run.rate,
-        "world_size": run.world_size,
-        "stage": run.stage,
-        "cap_mb": run.cap_mb,
-    }
-
-
-def _from_json(p: dict) -> Run:
-    return Run(p["model"], p["rate"], p["world_size"], p["stage"], p["cap_mb"])
-
-
 def _report(data: dict, args: argparse.Namespace) -> None:
     """Analyse, print the table, write --json and --markdown; the summary line last."""
     from profiling.report import write_json
 
-    predicted = {_from_json(p): p["predicted_ms"] for p in data["predictions"]}
+    predicted = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
     data["analysis"] = analyse(predicted, measurements(data["bench"]))
     print(text_table(data["analysis"]))
     for b in data["analysis"]["best_bucket"]:
