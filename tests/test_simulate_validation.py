@@ -24,7 +24,12 @@ from profiling.simulate.calibrate import (
     model_trickle,
     trickle_slowdowns,
 )
-from profiling.simulate.inputs import Repeat, measure_workload, slowest_workload
+from profiling.simulate.inputs import (
+    Repeat,
+    measure_workload,
+    slowest_workload,
+    workload_to_json,
+)
 from profiling.simulate.schedule import Grad, Workload, linear_cost
 from profiling.simulate.validate import (
     Run,
@@ -445,6 +450,37 @@ def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
         for stage in ("overlapped", "drop_in")
     }
     assert step_ms == pytest.approx({"overlapped": 36.0, "drop_in": 38.0})
+
+
+def test_prediction_takes_the_models_own_copy_where_measured_by_hand():
+    # The two 400-byte gradients ready at backward's end; every collective 1 ms; one
+    # bucket after backward (bucketed): 10 + 20, then the copy in, the all-reduce and the
+    # copy out one after the other, then the optimizer. At 10 us a byte a pass over 800
+    # bytes is 8 ms: 30 + 8 + 1 + 8 + 5 = 52 ms; at the cache's 1 us a byte, 37.6 ms.
+    # A calibration from before the model's own pass was measured keeps the cache's.
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.validate import predict
+
+    run = Run("m", "1gbit", 2, "bucketed", 1e6)
+    cache = two_gradients(0.020, 0.020, 0.001, copy_s_per_byte=1e-6)
+    measured = two_gradients(
+        0.020, 0.020, 0.001, copy_s_per_byte=1e-6, model_copy_s_per_byte={"m": 1e-5}
+    )
+    assert predict(run, measured)["predicted_ms"] == pytest.approx(52.0)
+    assert predict(run, cache)["predicted_ms"] == pytest.approx(37.6)
+    assert measured.for_model("other") is measured
+    # From a calibration's JSON: the models' own figures where they are.
+    data = {
+        "rate": "1gbit",
+        "world_size": 2,
+        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
+        "copy_s_per_byte": 1e-6,
+        "models": {
+            name: {"workload": workload_to_json(cache.workloads["m"]), "slowdown": 0.0, **more}
+            for name, more in [("m", {"copy_s_per_byte": 1e-5}), ("old", {})]
+        },
+    }
+    assert Calibration.from_json(data).model_copy_s_per_byte == {"m": 1e-5}
 
 
 def test_a_stage_with_one_process_group_keeps_one_lane_by_hand():

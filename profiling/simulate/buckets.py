@@ -73,7 +73,9 @@ def default_against_caps(
     from profiling.simulate.schedule import simulate
     from profiling.simulate.validate import Run, asynchronous_schedule, buffer_broadcast_s, predict
 
-    calibration = replace(calibration, workloads={**calibration.workloads, model: workload})
+    calibration = replace(
+        calibration, workloads={**calibration.workloads, model: workload}
+    ).for_model(model)  # the copies too: torch's step and the drop-in's alike
     # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
     # status rows (the drop-in's predict adds both).
     broadcast_s = buffer_broadcast_s(calibration, model)

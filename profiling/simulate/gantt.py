@@ -44,6 +44,8 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     from profiling.simulate.schedule import simulate
     from profiling.simulate.validate import layout
 
+    calibration = calibration.for_model("mlp")  # its copies too, where measured
+
     def plan(stage: str):  # the validation's layout and schedule of each stage
         return layout(stage, workload, BUCKET_CAP_MB, calibration)
 

@@ -196,6 +196,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
 
     from profiling.simulate.schedule import simulate
 
+    calibration = calibration.for_model(run.model)
     workload = calibration.workloads[run.model]
     if run.stage == FLOOR:
         return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
@@ -495,7 +496,12 @@ def markdown(data: dict) -> str:
                         if "latency_slowdown" in c
                         else ""
                     ),
-                    f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}",
+                    f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}"
+                    + (
+                        f"; after backward {m['copy_s_per_byte'] * 2**20 * 1e3:.2f}"
+                        if "copy_s_per_byte" in m
+                        else ""
+                    ),
                     f"{c['load_average_before'][0]:.1f}",
                 ]
             )
@@ -510,7 +516,7 @@ def markdown(data: dict) -> str:
                 "in a sequence, per call +ms",
                 "forward / backward / optimizer ms",
                 "slowdown of compute / of communication; with small all-reduces",
-                "copy ms/MiB",
+                "copy ms/MiB, 4 MiB in cache; the model's own",
                 "load",
             ],
             cal_rows,
