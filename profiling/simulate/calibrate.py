@@ -552,6 +552,7 @@ def _copy_after_backward(cfg: Config) -> float:
     views = list(flat.split([p.numel() for p in params]))
     nbytes = flat.numel() * flat.element_size()
     seconds = []
+    # --8<-- [start:copy]
     for step in range(WARMUP + COPY_REPEATS):
         inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
         F.cross_entropy(model(inputs), labels).backward()
@@ -564,6 +565,7 @@ def _copy_after_backward(cfg: Config) -> float:
         if step >= WARMUP:
             seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
+    # --8<-- [end:copy]
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return statistics.median(slowest.tolist()) / (2 * nbytes)
