@@ -622,18 +622,42 @@ def test_repeat_a_run_against_its_copy_meets_every_check(tmp_path, capsys):
     "files, message",
     [
         ([RECORD], "needs at least two validate runs' JSON, got 1"),
-        ([RECORD, None], "is not a validate run's JSON"),
+        ([RECORD, {"predictions": []}], "is not a validate run's JSON"),
+        ([RECORD, {"bench": []}], "has no 'analysis': a validate run that did not finish"),
+        ([RECORD, "{"], "is not JSON"),
         ([RECORD, bench_record(RECORD["variants"][:5])], "the runs measured different grids"),
+        ([bench_record([]), bench_record([])], "a run measured nothing to compare"),
     ],
 )
 def test_repeat_bad_input_names_the_problem(tmp_path, files, message):
     from profiling.simulate import cli
 
     paths = []
-    for k, record in enumerate(files):
+    for k, content in enumerate(files):
         paths.append(tmp_path / f"{k}.json")
-        paths[-1].write_text(
-            json.dumps({"bench": []} if record is None else _validate_json(record))
-        )
+        if isinstance(content, str):
+            paths[-1].write_text(content)
+        elif "settings" in content:  # a benchmark record: a finished validate run of it
+            paths[-1].write_text(json.dumps(_validate_json(content)))
+        else:
+            paths[-1].write_text(json.dumps(content))
     with pytest.raises(SystemExit, match=message):
         cli.main(["repeat", *map(str, paths)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["repeat", "missing.json", "missing.json"], "no such file: missing.json"),
+        (["repeat", "--render", "r.json", "--json", "o.json"], "give no runs or --json"),
+        (["repeat", "--render", "{path}"], "is not this command's --json"),
+    ],
+)
+def test_repeat_bad_arguments_name_the_problem(tmp_path, monkeypatch, argv, message):
+    from profiling.simulate import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "validate.json").write_text(json.dumps(_validate_json(RECORD)))
+    argv = [a.replace("{path}", "validate.json") for a in argv]
+    with pytest.raises(SystemExit, match=message):
+        cli.main(argv)

@@ -16,8 +16,9 @@ A shape is width x depth x per-rank batch; the default five are the benchmarks' 
 gradients. Each shape's compute is measured here on one process with one thread
 (`inputs.measure_workload`); the collective cost and the slowdowns are a validation's
 calibration (its JSON, `validate --json`), at the rate and world size asked; nothing
-else is run. The slowdowns are those calibrated for the validation's MLP, the nearest
-kind of model.
+else is run. The slowdowns, and the cost per byte of a pass over the gradients, are
+those calibrated for the validation's MLP (16 MiB), the nearest kind of model; a larger
+model's pass may cost more per byte.
 """
 
 from __future__ import annotations

@@ -19,9 +19,12 @@ running `worker` (this module under torchrun), which measures, in this order:
    second thread overlaps under compute (with two lanes on top, one calibration on 4
    ranks put overlapped 25% short), and 16 launched at once were never near twice as
    fast as 16 one after the other (0.75-1.01 of the slope on 4 ranks, four runs);
-3. the stages' own pass over a gradient (`copy_s_per_byte`): `torch.div(grad, W,
-   out=bucket_view)`, what bucketed and overlapped do to each gradient before its
-   all-reduce (and a copy of the same size after it), on every rank at once;
+3. the stages' own pass over a gradient: `torch.div(grad, W, out=bucket_view)`, what
+   bucketed and overlapped do to each gradient before its all-reduce (and a copy of
+   the same size after it), on every rank at once: per model over all its gradients
+   right after its backward (`_copy_after_backward`, what the model uses), and over
+   one 4 MiB gradient, repeated (`copy_s_per_byte`, what calibrations before the first
+   had);
 4. small all-reduces in a sequence, interleaved in every repeat:
    - a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
      small all-reduces one after the other, as a stage issues its buckets. The sweep
@@ -533,10 +536,14 @@ def _copy_after_backward(cfg: Config) -> float:
     them: right after backward, every gradient divided by the world size into its view
     of one flat buffer (in reverse parameter order, as the buckets go), then the average
     copied back. Every rank at once, each repeat from a barrier; per repeat the slowest
-    rank's, per byte of one pass; the median. Backward leaves the gradients, and the
-    flat buffer its all-reduce left, in whatever cache the model's working set allows:
-    on this machine the MLP's 16 MiB pass measured 2.5 times slower per byte this way
-    than the 4 MiB one of `copy_s_per_byte`, repeated in the core's cache."""
+    rank's, per byte of one pass; the median. A pass made just after backward costs
+    more per byte than `copy_s_per_byte`'s, one 4 MiB gradient divided over and over:
+    for the validation's MLP (16 MiB) 1.5-1.9 times on 2 ranks and 1.7-4.6 times on 4,
+    in the first two calibrations that timed both; and for the CNN's 17 small tensors
+    each call's own overhead counts. As the stage with one bucket does it; with
+    several, each bucket's copy in, all-reduce and copy out follow one another, and an
+    overlapped stage copies each gradient in as backward writes it, which this does
+    not time apart."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F

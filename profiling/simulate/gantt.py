@@ -7,9 +7,10 @@ As the stage pages draw the traced step: a compute lane and a communication lane
 The workload is the one `profiling.course_timelines` traces (the benchmarks' MLP,
 2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
 measured here on one process with one thread (`inputs.measure_workload`), so each page
-can set the model's step beside the measured one. The collective cost and
-the slowdowns come from a validation's calibration on the same cluster (1 Gbit/s, 2 ranks),
-read from its JSON (`validate --json`); nothing else is run.
+can set the model's step beside the measured one. The collective cost, the slowdowns
+and the cost per byte of a pass over the gradients (the validation MLP's 16 MiB; this
+one has 96 MiB) come from a validation's calibration on the same cluster (1 Gbit/s,
+2 ranks), read from its JSON (`validate --json`); nothing else is run.
 """
 
 from __future__ import annotations

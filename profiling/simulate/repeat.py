@@ -9,16 +9,16 @@ Each RUN is the JSON of a `validate` run of the same grid. For every ordered pai
 runs (A, B), A's measured medians stand in for the model's predictions and B's
 measurement is what they are checked against, with the validation's own `analyse`: the
 median and worst error, the best bucket within one grid step, the stages ranked as
-measured. A perfect model of the code, one that knew each run's step exactly as it was
-once measured, would score this against a later run of the same code on the same
-machine. So these figures are the floor the validation's targets stand on here: a
-target that the measurement does not meet against itself measures the machine, not the
-model.
+measured. This is what one earlier measurement of the same code on the same machine
+scores as a prediction of another. It is not a bound on what a model can score (A's
+medians carry A's noise as well as B's, and a model of the expected step need not),
+but a target that one run's measurement seldom meets against another's is set by the
+machine as much as by the model.
 
 The last line sums up the pairs:
 
     measurement as prediction over P pairs of R runs: median error <= 10% in M, worst
-    <= 20% in W (lowest-highest%); best bucket within one grid step everywhere in B,
+    <= 20% in W (lowest-highest%); best bucket within one grid step everywhere in G,
     within the noise in N; ranked as measured in K
 
 `--json` keeps each run's measured medians and round medians (not its raw steps), which
@@ -31,6 +31,7 @@ import argparse
 import json
 import statistics
 from itertools import permutations
+from pathlib import Path
 
 from profiling.simulate.validate import (
     CAPS_MB,
@@ -47,11 +48,13 @@ MEDIAN_BAR_PCT, WORST_BAR_PCT = 10.0, 20.0
 def load(path: str) -> dict:
     """One validate JSON -> what this command keeps of it: when it ran, what the model
     predicted then (its own analysis) and each run's measurement."""
-    data = json.loads(open(path).read())
-    if "bench" not in data or "analysis" not in data:
+    data = _read_json(path)
+    if "bench" not in data:
+        raise SystemExit(f"profiling.simulate repeat: {path} is not a validate run's JSON")
+    if "analysis" not in data:  # written as the run goes: a run that stopped has none
         raise SystemExit(
-            f"profiling.simulate repeat: {path} is not a validate run's JSON "
-            "(it has no 'bench' or 'analysis')"
+            f"profiling.simulate repeat: {path} has no 'analysis': a validate run that "
+            "did not finish?"
         )
     a = data["analysis"]
     measured = measurements(data["bench"])
@@ -150,7 +153,17 @@ def summary_line(data: dict) -> str:
 
 
 def _all_buckets(p: dict) -> bool:
-    return p["best_bucket_ok"] == p["best_bucket_checked"]
+    """As `validate.analyse`: met where there was a cap to check and every one was."""
+    return 0 < p["best_bucket_checked"] == p["best_bucket_ok"]
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"profiling.simulate repeat: no such file: {path}") from None
+    except json.JSONDecodeError as bad:
+        raise SystemExit(f"profiling.simulate repeat: {path} is not JSON ({bad})") from None
 
 
 def _grid_steps(model: str, caps: list[float]) -> int:
@@ -263,9 +276,15 @@ def run(args: argparse.Namespace) -> None:
     from profiling.report import command_line, write_json
 
     if args.render:
-        if args.runs:
-            raise SystemExit("profiling.simulate repeat: give runs or --render, not both")
-        data = json.loads(open(args.render).read())
+        if args.runs or args.json:
+            raise SystemExit(
+                "profiling.simulate repeat: --render reads its JSON; give no runs or --json"
+            )
+        data = _read_json(args.render)
+        if "runs" not in data or "analysis" not in data:
+            raise SystemExit(
+                f"profiling.simulate repeat: {args.render} is not this command's --json"
+            )
     else:
         if len(args.runs) < 2:
             raise SystemExit(
@@ -284,6 +303,10 @@ def run(args: argparse.Namespace) -> None:
         argv += ["--markdown", args.markdown] if args.markdown else []
         data = {"command": command_line("profiling.simulate", argv), "runs": runs}
         data["analysis"] = analyse_runs(runs)
+        if any(p["runs"] == 0 for p in data["analysis"]["pairs"]):
+            raise SystemExit(
+                "profiling.simulate repeat: a run measured nothing to compare (an empty 'bench')"
+            )
         if args.json:
             write_json(args.json, data)
     print(text(data))
