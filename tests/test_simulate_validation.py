@@ -233,6 +233,31 @@ def test_latency_slowdown_ends_the_models_trickle_at_the_median_repeat():
         assert latency_slowdowns(sequence, cost, 0.0)["latency_slowdown"] == expected
 
 
+def test_copy_after_backward_is_seconds_per_byte_of_one_pass(monkeypatch):
+    # On a clock that moves 1 s at every reading, every repeat's two passes (each
+    # gradient divided into the flat buffer, then copied back) take 1 s between its
+    # two readings: per byte of one pass over all the model's gradients, 1 / (2 x bytes).
+    import itertools
+    import time
+
+    import torch.distributed as dist
+
+    from profiling.simulate import calibrate
+
+    cfg = Config(model="mlp", width=16, depth=2, batch_size=4)
+    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ticks = itertools.count()
+        monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+        per_byte = calibrate._copy_after_backward(cfg)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert per_byte == pytest.approx(1 / (2 * nbytes))
+
+
 def test_buffer_bytes_per_dtype_by_hand():
     # The CNN's five BatchNorms over 32, 32, 64, 64, 128 channels: running mean and
     # variance in float32, 2 x 320 x 4 bytes; a step count each in int64, 5 x 8 bytes.
