@@ -23,8 +23,7 @@ running `worker` (this module under torchrun), which measures, in this order:
    bucketed and overlapped do to each gradient before its all-reduce (and a copy of
    the same size after it), on every rank at once: per model over all its gradients
    right after its backward (`_copy_after_backward`, what the model uses), and over
-   one 4 MiB gradient, repeated (`copy_s_per_byte`, what calibrations before the first
-   had);
+   one 4 MiB gradient, repeated (`copy_s_per_byte`, all that older calibrations have);
 4. small all-reduces in a sequence, interleaved in every repeat:
    - a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
      small all-reduces one after the other, as a stage issues its buckets. The sweep
@@ -155,7 +154,7 @@ class Calibration:
     latency_slowdown: float | None = None
     comm_latency_slowdown: float | None = None
     busy_launch_s: float = 0.0  # what a collective launched while another flies adds
-    copy_s_per_byte: float = 0.0  # a stage's pass over a gradient (into or out of a bucket)
+    copy_s_per_byte: float = 0.0  # a pass over one 4 MiB gradient (into or out of a bucket)
     buffer_bytes: dict[str, list[int]] = field(default_factory=dict)  # per buffer dtype
     # model key -> the same pass over that model's gradients, timed right after its
     # backward (absent in calibrations made before it was measured)
@@ -163,8 +162,8 @@ class Calibration:
 
     def for_model(self, model: str) -> Calibration:
         """This calibration with `model`'s own pass over its gradients as the copy, where
-        it was measured: a 4 MiB gradient divided over and over stays in the core's
-        cache, a step's gradients just written by backward need not."""
+        it was measured: a pass just after backward costs more per byte than one 4 MiB
+        gradient divided over and over (`_copy_after_backward`)."""
         if model not in self.model_copy_s_per_byte:
             return self
         return dataclasses.replace(self, copy_s_per_byte=self.model_copy_s_per_byte[model])
