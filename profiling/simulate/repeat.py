@@ -38,6 +38,7 @@ from profiling.simulate.validate import (
     Measured,
     Run,
     analyse,
+    bucketed_caps,
     measurements,
 )
 
@@ -119,9 +120,7 @@ def analyse_runs(runs: list[dict]) -> dict:
     ]
     fastest: dict[tuple, list[float]] = {}
     for m in measured:
-        groups = sorted({(r.group, r.stage) for r in m if r.cap_mb is not None})
-        for group, stage in groups:
-            caps = [c for c in CAPS_MB[group[0]] if Run(*group, stage, c) in m]
+        for (group, stage), caps in bucketed_caps(m).items():
             best = min(caps, key=lambda c: m[Run(*group, stage, c)].median_ms)
             fastest.setdefault((*group, stage), []).append(best)
     return {

@@ -307,14 +307,22 @@ def error_pct(predicted_ms: float, measured_ms: float) -> float:
     return abs(predicted_ms / measured_ms - 1) * 100
 
 
+def bucketed_caps(measured: dict[Run, Measured]) -> dict[tuple, list[float]]:
+    """Per ((model, rate, world size), stage with buckets): the caps measured, in the
+    grid's order."""
+    groups = sorted({(r.group, r.stage) for r in measured if r.cap_mb is not None})
+    return {
+        (group, stage): [c for c in CAPS_MB[group[0]] if Run(*group, stage, c) in measured]
+        for group, stage in groups
+    }
+
+
 def best_bucket(predicted: dict[Run, float], measured: dict[Run, Measured]) -> list[dict]:
     """Per (model, rate, world size, bucketed stage): the cap with the lowest predicted
     step against the cap with the lowest measured one, as positions in the grid's caps;
     within one grid step if they are at most one position apart."""
     out = []
-    groups = sorted({(r.group, r.stage) for r in measured if r.cap_mb is not None})
-    for group, stage in groups:
-        caps = [c for c in CAPS_MB[group[0]] if Run(*group, stage, c) in measured]
+    for (group, stage), caps in bucketed_caps(measured).items():
         if len(caps) < 2 or any(Run(*group, stage, c) not in predicted for c in caps):
             continue
         best_p = min(caps, key=lambda c: predicted[Run(*group, stage, c)])
