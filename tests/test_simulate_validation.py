@@ -670,6 +670,23 @@ def test_repeat_bad_input_names_the_problem(tmp_path, files, message):
         cli.main(["repeat", *map(str, paths)])
 
 
+def test_repeat_refuses_runs_of_two_machines_and_names_each(tmp_path, capsys):
+    from profiling.simulate import cli
+
+    paths = []
+    for name, cpu in [("x", "Intel(R) Xeon(R) Processor"), ("y", "AMD EPYC"), ("z", "AMD EPYC")]:
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({**_validate_json(RECORD), "machine": {"cpu": cpu}}))
+    with pytest.raises(SystemExit, match="measured on different machines") as refused:
+        cli.main(["repeat", *map(str, paths)])
+    assert f"{paths[0]}: Intel(R) Xeon(R) Processor" in str(refused.value)
+    assert f"{paths[1]}: AMD EPYC" in str(refused.value)
+    # One machine's runs pair, and the machine is said with each run and in the tables.
+    cli.main(["repeat", *map(str, paths[1:]), "--markdown", str(tmp_path / "r.md")])
+    assert f"run 1: {paths[1]} (AMD EPYC)" in capsys.readouterr().out
+    assert "\nMachine: AMD EPYC.\n" in (tmp_path / "r.md").read_text()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -59,9 +59,11 @@ def load(path: str) -> dict:
         )
     a = data["analysis"]
     measured = measurements(data["bench"])
+    machine = data.get("machine", {})
     return {
         "source": path,
-        "date_utc": data.get("machine", {}).get("date_utc", ""),
+        "date_utc": machine.get("date_utc", ""),
+        "cpu": machine.get("cpu", ""),
         "model": {
             "median_error_pct": a["median_error_pct"],
             "worst_error_pct": a["worst_error_pct"],
@@ -193,7 +195,9 @@ def text(data: dict) -> str:
         lines.append(f"  {f['slice']:<28} {caps}  ({_grid_steps(f['model'], f['caps_mb'])} apart)")
     lines.append("")
     for i, r in enumerate(runs):
-        lines.append(f"run {i + 1}: {r['source']} ({r['date_utc']} UTC)")
+        when = f"{r['date_utc']} UTC" if r["date_utc"] else ""
+        cpu = r.get("cpu", "")  # absent from runs kept before the machine was
+        lines.append(f"run {i + 1}: {r['source']} ({', '.join(filter(None, [when, cpu]))})")
     return "\n".join(lines)
 
 
@@ -203,6 +207,9 @@ def markdown(data: dict) -> str:
 
     runs, a = data["runs"], data["analysis"]
     parts = [produced_by([data["command"]], ", from the repository root"), ""]
+    cpus = sorted({r.get("cpu", "") for r in runs} - {""})
+    if cpus:  # one, as the command refuses to mix machines
+        parts += [f"Machine: {cpus[0]}.", ""]
     parts.append(
         markdown_table(
             ["run", "measured (UTC)", "the model's prediction then: median / worst error"],
@@ -296,6 +303,16 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(
                 "profiling.simulate repeat: the runs measured different grids; "
                 "compare runs of the same validate command"
+            )
+        # Another machine's measurement predicts a different thing: on a second 2-core
+        # machine (an AMD EPYC against an Intel Xeon) the same grid's steps took 1.06 to
+        # 2.1 times as long, run by run.
+        cpus = {r["cpu"] for r in runs if r["cpu"]}
+        if len(cpus) > 1:
+            where = "; ".join(f"{r['source']}: {r['cpu']}" for r in runs)
+            raise SystemExit(
+                "profiling.simulate repeat: the runs were measured on different machines "
+                f"({where}); compare runs of one machine"
             )
         argv = ["repeat", *args.runs]
         argv += ["--json", args.json] if args.json else []
