@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -677,7 +678,7 @@ def test_repeat_refuses_runs_of_two_machines_and_names_each(tmp_path, capsys):
     for name, cpu in [("x", "Intel(R) Xeon(R) Processor"), ("y", "AMD EPYC"), ("z", "AMD EPYC")]:
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps({**_validate_json(RECORD), "machine": {"cpu": cpu}}))
-    with pytest.raises(SystemExit, match="measured on different machines") as refused:
+    with pytest.raises(SystemExit, match="measured on different CPUs") as refused:
         cli.main(["repeat", *map(str, paths)])
     assert f"{paths[0]}: Intel(R) Xeon(R) Processor" in str(refused.value)
     assert f"{paths[1]}: AMD EPYC" in str(refused.value)
@@ -685,6 +686,16 @@ def test_repeat_refuses_runs_of_two_machines_and_names_each(tmp_path, capsys):
     cli.main(["repeat", *map(str, paths[1:]), "--markdown", str(tmp_path / "r.md")])
     assert f"run 1: {paths[1]} (AMD EPYC)" in capsys.readouterr().out
     assert "\nMachine: AMD EPYC.\n" in (tmp_path / "r.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["simulate-repeat", "simulate-repeat-amd"])
+def test_repeat_renders_the_committed_tables_again(tmp_path, capsys, name):
+    from profiling.simulate import cli
+
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    out = tmp_path / f"{name}.md"
+    cli.main(["repeat", "--render", str(results / f"{name}.json"), "--markdown", str(out)])
+    assert out.read_text() == (results / f"{name}.md").read_text()
 
 
 @pytest.mark.parametrize(

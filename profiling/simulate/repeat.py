@@ -22,7 +22,8 @@ The last line sums up the pairs:
     within the noise in N; ranked as measured in K
 
 `--json` keeps each run's measured medians and round medians (not its raw steps), which
-is all `--render` needs.
+is all `--render` needs, and each run's CPU as its `machine` record names it: runs whose
+CPUs differ are refused, as another machine's measurement predicts a different thing.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def text(data: dict) -> str:
     lines.append("")
     for i, r in enumerate(runs):
         when = f"{r['date_utc']} UTC" if r["date_utc"] else ""
-        cpu = r.get("cpu", "")  # absent from runs kept before the machine was
+        cpu = r.get("cpu", "")  # absent where kept before this command recorded it
         lines.append(f"run {i + 1}: {r['source']} ({', '.join(filter(None, [when, cpu]))})")
     return "\n".join(lines)
 
@@ -208,8 +209,8 @@ def markdown(data: dict) -> str:
     runs, a = data["runs"], data["analysis"]
     parts = [produced_by([data["command"]], ", from the repository root"), ""]
     cpus = sorted({r.get("cpu", "") for r in runs} - {""})
-    if cpus:  # one, as the command refuses to mix machines
-        parts += [f"Machine: {cpus[0]}.", ""]
+    if cpus:  # one, unless a --render'd file was put together by hand
+        parts += [f"Machine: {', '.join(cpus)}.", ""]
     parts.append(
         markdown_table(
             ["run", "measured (UTC)", "the model's prediction then: median / worst error"],
@@ -304,14 +305,15 @@ def run(args: argparse.Namespace) -> None:
                 "profiling.simulate repeat: the runs measured different grids; "
                 "compare runs of the same validate command"
             )
-        # Another machine's measurement predicts a different thing: on a second 2-core
-        # machine (an AMD EPYC against an Intel Xeon) the same grid's steps took 1.06 to
-        # 2.1 times as long, run by run.
+        # Another machine's measurement predicts a different thing: on a 2-core AMD
+        # EPYC the same grid's steps took 1.06 to 2.1 times as long as in one run on a
+        # 2-core Intel Xeon, grid point by grid point. A run with no CPU recorded
+        # passes: nothing says it differs.
         cpus = {r["cpu"] for r in runs if r["cpu"]}
         if len(cpus) > 1:
-            where = "; ".join(f"{r['source']}: {r['cpu']}" for r in runs)
+            where = "; ".join(f"{r['source']}: {r['cpu'] or '(unknown)'}" for r in runs)
             raise SystemExit(
-                "profiling.simulate repeat: the runs were measured on different machines "
+                "profiling.simulate repeat: the runs were measured on different CPUs "
                 f"({where}); compare runs of one machine"
             )
         argv = ["repeat", *args.runs]
