@@ -98,3 +98,27 @@ def markdown_table(header: list[str], body: list[list[str]], left: int = 1) -> s
 def write_json(path: str | Path, data: dict) -> None:
     """`data` as indented JSON, one trailing newline."""
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_json(
+    path: str | Path, command: str, key: str | None = None, writer: str | None = None
+) -> dict:
+    """A results file that `writer --json` wrote (`command`'s own, by default), read back
+    by `command`; a missing file, one that is not JSON, or one without `key` (a results
+    file of another command) stops with a message naming the file and what it lacks,
+    not a traceback."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{command}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise SystemExit(f"{command}: {path} is a directory, not a results file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise SystemExit(f"{command}: {path} is not JSON ({bad})") from None
+    if key is not None and (not isinstance(data, dict) or key not in data):
+        raise SystemExit(
+            f"{command}: {path} holds no {key!r}: give the JSON that "
+            f"`{writer or command} --json` writes"
+        )
+    return data

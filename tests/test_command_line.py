@@ -250,3 +250,69 @@ def test_large_batch_prints_one_line_per_finished_training(capsys) -> None:
     assert len(lines) == len(runs) == 2
     assert lines[0].startswith("[1/2] k=1 unscaled seed=0: 2 epochs, ")
     assert f"val error {runs[1].final_val_error:.4f}, " in lines[1] and "; all 2 in " in lines[1]
+
+
+def _bench_main(argv: list[str]) -> None:
+    from profiling.bench.launch import main as bench
+
+    bench(argv)
+
+
+def _versus_main(argv: list[str]) -> None:
+    from profiling.bench.versus import main as versus
+
+    versus(argv)
+
+
+def _collectives_main(argv: list[str]) -> None:
+    from profiling.collectives.cli import main as collectives
+
+    collectives(argv)
+
+
+def _large_batch_main(argv: list[str]) -> None:
+    from profiling.large_batch.cli import main as large_batch
+
+    large_batch(argv)
+
+
+def _simulate_main(argv: list[str]) -> None:
+    from profiling.simulate.cli import main as simulate
+
+    simulate(argv)
+
+
+# Every command that reads back a results file that one of them wrote, and how it is given.
+RESULTS_READERS = {
+    "bench --render": (_bench_main, ["--render", "{path}"]),
+    "bench.versus": (_versus_main, ["{path}"]),
+    "collectives --render": (_collectives_main, ["--render", "{path}"]),
+    "large_batch --render": (_large_batch_main, ["--render", "{path}", "--plot-prefix", "{dir}/f"]),
+    "simulate validate --render": (_simulate_main, ["validate", "--render", "{path}"]),
+    "simulate gantt": (_simulate_main, ["gantt", "--calibration", "{path}"]),
+    "simulate buckets": (_simulate_main, ["buckets", "--calibration", "{path}"]),
+    "simulate repeat --render": (_simulate_main, ["repeat", "--render", "{path}"]),
+}
+
+
+@pytest.mark.parametrize("reader", RESULTS_READERS)
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no (such|calibration) file:? {path}"),  # buckets says how to make one
+        ("{", "{path} is not JSON"),
+        ('{"something": "else"}', "{path}"),
+    ],
+    ids=["missing", "not-json", "another-file"],
+)
+def test_a_bad_results_file_is_named_not_a_traceback(tmp_path, reader, content, message) -> None:
+    """A results file that is missing, not JSON, or another command's: the command stops
+    with a message naming the file, before anything runs (no KeyError, no traceback)."""
+    main_, argv = RESULTS_READERS[reader]
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    argv = [a.format(path=path, dir=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        main_(argv)
+    assert re.search(message.format(path=re.escape(str(path))), str(stopped.value))

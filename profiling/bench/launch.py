@@ -14,14 +14,14 @@ from pathlib import Path
 from profiling.bench.options import BenchOptions, parse_options
 from profiling.bench.output import write_outputs
 from profiling.bench.rounds import run_worker
-from profiling.report import command_line
+from profiling.report import command_line, read_json
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     opts, cfg = parse_options(argv)
     if opts.render:
-        records = json.loads(Path(opts.render).read_text())["workloads"]
+        records = read_json(opts.render, "profiling.bench", "workloads")["workloads"]
         write_outputs(records[-1], dataclasses.replace(opts, json="", merge=False), records)
         return
     if "RANK" not in os.environ:

@@ -3,13 +3,12 @@ the markdown fragment, and the --json, --markdown and --plot files."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from profiling.bench.options import COMM, FLOOR, BenchOptions
 from profiling.bench.plot import plot
 from profiling.bench.records import network_label
-from profiling.report import markdown_table, produced_by, write_json
+from profiling.report import markdown_table, produced_by, read_json, write_json
 
 
 def describe(record: dict) -> str:
@@ -268,7 +267,7 @@ def write_outputs(record: dict, opts: BenchOptions, records: list[dict] | None =
     of every record written (or of `records`, when given: --render)."""
     records = records or [record]
     if opts.merge and opts.json and Path(opts.json).exists():
-        kept = json.loads(Path(opts.json).read_text())["workloads"]
+        kept = read_json(opts.json, "profiling.bench", "workloads")["workloads"]
         # Replace this workload in place (keeps the order), append it if new.
         keys = [r["workload"] for r in kept]
         if record["workload"] in keys:

@@ -16,12 +16,11 @@ whose variant has the lowest median over all its steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from profiling.bench.output import describe_network
-from profiling.report import command_line, markdown_table, produced_by
+from profiling.report import command_line, markdown_table, produced_by, read_json
 
 
 def round_medians(variant: dict) -> dict[int, float]:
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--best-of", default="drop_in", help="the variant swept over values")
     parser.add_argument("--markdown", default="", help="write the table here too")
     args = parser.parse_args(argv)
-    records = json.loads(Path(args.json).read_text())["workloads"]
+    data = read_json(args.json, "profiling.bench.versus", "workloads", writer="profiling.bench")
+    records = data["workloads"]
     text = table(records, args.variant, args.against, args.best_of)
     print(text)
     if args.markdown:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ddp.collectives import ALGORITHMS
 from profiling.collectives import output
 from profiling.collectives.worker import GLOO
-from profiling.report import command_line, load_average, machine, write_json
+from profiling.report import command_line, load_average, machine, read_json, write_json
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.render:
-        runs = json.loads(Path(args.render).read_text())["runs"]
+        runs = read_json(args.render, "profiling.collectives", "runs")["runs"]
         return _write(runs, args)
     if args.plot:
         import matplotlib  # noqa: F401  fail now, not after minutes of measuring
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         size *= 4
     runs = []
     if args.merge and Path(args.json).exists():
-        runs = json.loads(Path(args.json).read_text())["runs"]
+        runs = read_json(args.json, "profiling.collectives", "runs")["runs"]
     for world_size in args.world_sizes:
         settings = {
             "sizes_bytes": sizes, "algorithms": args.algorithms, "delay_ms": args.delay_ms,

@@ -4,7 +4,6 @@ torchrun), then print and write the results."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from profiling.large_batch.experiment import Run, run_all
 from profiling.large_batch.results import markdown, plot, summarise
 from profiling.large_batch.settings import Settings, parse_settings
-from profiling.report import command_line, machine, write_json
+from profiling.report import command_line, machine, read_json, write_json
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +75,7 @@ def render(json_path: str, plot_prefix: str) -> None:
     Markdown is left alone (it names the machine and the wall time of the run)."""
     if not plot_prefix:
         raise SystemExit("--render needs --plot-prefix: where the figures go")
-    payload = json.loads(Path(json_path).read_text())
+    payload = read_json(json_path, "profiling.large_batch", "table")
     s = Settings(**{**payload["settings"], "plot_prefix": plot_prefix})
     table = {f"{row['workers']},{row['variant']}": row for row in payload["table"]}
     runs = [Run(**run) for run in payload["runs"]]

@@ -24,7 +24,6 @@ model's pass may cost more per byte.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -134,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ddp.config import Config
-    from profiling.report import command_line, markdown_table, produced_by
+    from profiling.report import command_line, markdown_table, produced_by, read_json
     from profiling.simulate.calibrate import Calibration
     from profiling.simulate.inputs import measure_workload
     from stages.auto_bucket import CANDIDATES_MB
@@ -154,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
             f"no calibration file {path}; run `python -m profiling.simulate validate "
             "--json FILE` and pass --calibration FILE"
         )
-    data = json.loads(path.read_text())
+    data = read_json(path, "profiling.simulate buckets")
     if "calibrations" not in data:
         fail(f"{path} holds no calibrations: give the JSON `validate --json` writes")
     found = [

@@ -16,10 +16,10 @@ one has 96 MiB) come from a validation's calibration on the same cluster (1 Gbit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from profiling.report import read_json
 from profiling.simulate.schedule import Step
 
 MODEL = {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128}
@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> None:
     from profiling.simulate.calibrate import Calibration
     from profiling.simulate.inputs import measure_workload
 
-    data = json.loads(args.calibration.read_text())
+    data = read_json(
+        args.calibration, "profiling.simulate gantt", "calibrations", "profiling.simulate validate"
+    )
     found = [
         c
         for c in data["calibrations"]

@@ -29,11 +29,10 @@ CPUs differ are refused, as another machine's measurement predicts a different t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from itertools import permutations
-from pathlib import Path
 
+from profiling.report import read_json
 from profiling.simulate.validate import (
     CAPS_MB,
     Measured,
@@ -43,6 +42,7 @@ from profiling.simulate.validate import (
     measurements,
 )
 
+COMMAND = "profiling.simulate repeat"
 # The validation's targets (docs/simulator.md, "Against the targets").
 MEDIAN_BAR_PCT, WORST_BAR_PCT = 10.0, 20.0
 
@@ -50,7 +50,7 @@ MEDIAN_BAR_PCT, WORST_BAR_PCT = 10.0, 20.0
 def load(path: str) -> dict:
     """One validate JSON -> what this command keeps of it: when it ran, what the model
     predicted then (its own analysis) and each run's measurement."""
-    data = _read_json(path)
+    data = read_json(path, COMMAND)
     if "bench" not in data:
         raise SystemExit(f"profiling.simulate repeat: {path} is not a validate run's JSON")
     if "analysis" not in data:  # written as the run goes: a run that stopped has none
@@ -157,15 +157,6 @@ def summary_line(data: dict) -> str:
 def _all_buckets(p: dict) -> bool:
     """As `validate.analyse`: met where there was a cap to check and every one was."""
     return 0 < p["best_bucket_checked"] == p["best_bucket_ok"]
-
-
-def _read_json(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SystemExit(f"profiling.simulate repeat: no such file: {path}") from None
-    except json.JSONDecodeError as bad:
-        raise SystemExit(f"profiling.simulate repeat: {path} is not JSON ({bad})") from None
 
 
 def _grid_steps(model: str, caps: list[float]) -> int:
@@ -287,7 +278,7 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(
                 "profiling.simulate repeat: --render reads its JSON; give no runs or --json"
             )
-        data = _read_json(args.render)
+        data = read_json(args.render, COMMAND)
         if "runs" not in data or "analysis" not in data:
             raise SystemExit(
                 f"profiling.simulate repeat: {args.render} is not this command's --json"

@@ -611,7 +611,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.render:
-        data = json.loads(open(args.render).read())
+        from profiling.report import read_json
+
+        data = read_json(args.render, "profiling.simulate validate", "predictions")
         return _report(data, args)
     import tempfile
     from pathlib import Path
