@@ -259,6 +259,38 @@ def test_copy_after_backward_is_seconds_per_byte_of_one_pass(monkeypatch):
     assert per_byte == pytest.approx(1 / (2 * nbytes))
 
 
+def test_calls_after_backward_alternate_lengths_and_slope_by_hand(monkeypatch):
+    # On a clock that moves only when a call is made, 1 s a call: repeats alternate 1 and
+    # 16 calls, each length timed SEQUENCE_REPEATS times after the warm-up, and the
+    # slope between them is 1 s a call.
+    import time
+
+    import torch.distributed as dist
+
+    from profiling.simulate import calibrate
+
+    cfg = Config(model="mlp", width=16, depth=2, batch_size=4)
+    clock = {"now": 0.0}
+    real_all_reduce = dist.all_reduce
+
+    def one_second_all_reduce(tensor, *args, **kwargs):
+        clock["now"] += 1.0
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+        monkeypatch.setattr(dist, "all_reduce", one_second_all_reduce)
+        sequence = calibrate._calls_after_backward(cfg)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert sequence["lengths"] == [1, 16]
+    repeats = calibrate.SEQUENCE_REPEATS
+    assert sequence["seconds"] == [[1.0] * repeats, [16.0] * repeats]
+    assert calibrate.slope_s(sequence) == pytest.approx(1.0)
+
+
 def test_buffer_bytes_per_dtype_by_hand():
     # The CNN's five BatchNorms over 32, 32, 64, 64, 128 channels: running mean and
     # variance in float32, 2 x 320 x 4 bytes; a step count each in int64, 5 x 8 bytes.
@@ -507,6 +539,87 @@ def test_prediction_takes_the_models_own_copy_where_measured_by_hand():
         },
     }
     assert Calibration.from_json(data).model_copy_s_per_byte == {"m": 1e-5}
+
+
+def test_prediction_takes_the_models_own_call_cost_where_measured_by_hand():
+    # Naive on the two 400-byte gradients: 10 + 20 ms of forward and backward, their
+    # two all-reduces one after the other, then the optimizer's 5 ms. The cluster's
+    # sequence after matmuls put a call at 1 ms (35 + 2 = 37 ms); the model's own,
+    # timed right after its backward, at 3 ms (35 + 6 = 41 ms): naive issues its calls
+    # there. The fit says 0 for these sizes, so a call costs its call_s. A model without
+    # its own keeps the cluster's.
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.validate import predict
+
+    workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
+    data = {
+        "rate": "1gbit",
+        "world_size": 2,
+        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
+        "call_s": 0.001,
+        "models": {
+            name: {"workload": workload_to_json(workload), "slowdown": 0.0, **more}
+            for name, more in [("m", {"call_s": 0.003}), ("old", {})]
+        },
+    }
+    calibration = Calibration.from_json(data)
+    step_ms = {
+        model: predict(Run(model, "1gbit", 2, "naive", None), calibration)["predicted_ms"]
+        for model in ("m", "old")
+    }
+    assert step_ms == pytest.approx({"m": 41.0, "old": 37.0})
+    assert calibration.for_model("old", calls_after_backward=True) is calibration
+    # Overlapped with one bucket launches its one call from backward: the cluster's 1 ms
+    # (10 + 20 + 1 + 5), not the 3 ms timed after backward.
+    overlapped = predict(Run("m", "1gbit", 2, "overlapped", 1e6), calibration)["predicted_ms"]
+    assert overlapped == pytest.approx(36.0)
+
+
+def test_known_compute_predicts_again_with_the_measured_compute_by_hand(tmp_path, capsys):
+    # The MLP's compute calibrated at 35 ms a step (forward 10, a 20 ms backward with the
+    # gradients ready at 10 and 20 ms, optimizer 5), every collective 1 ms, no copies.
+    # compute_only measured 70 ms in the benchmark: every phase and ready time doubles.
+    # Predicted again: naive 20 + 40 + two all-reduces + 10 = 72 ms; bucketed with one
+    # bucket 71. Measured 80 and 71: errors 10% and 0%. compute_only is not a run.
+    from profiling.simulate import cli
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.validate import known_compute, with_compute_ms
+
+    workload = two_gradients(0.010, 0.020, 0.001).workloads["m"]
+    calibration = {
+        "rate": "1gbit",
+        "world_size": 2,
+        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
+        "call_s": 0.001,
+        "models": {"mlp": {"workload": workload_to_json(workload), "slowdown": 0.0}},
+    }
+    doubled = with_compute_ms(Calibration.from_json(calibration), "mlp", 70.0).workloads["mlp"]
+    assert (doubled.forward_s, doubled.backward_s, doubled.optimizer_s) == pytest.approx(
+        (0.020, 0.040, 0.010)
+    )
+    assert [g.ready_s for g in doubled.grads] == pytest.approx([0.020, 0.040])
+    runs = [run("compute_only"), run("naive"), run("bucketed", 1e6)]
+    record = bench_record(
+        [
+            variant("compute_only", None, [70, 70, 70, 70]),
+            variant("naive", 1e6, [80, 80, 80, 80]),
+            variant("bucketed", 1e6, [71, 71, 71, 71]),
+        ]
+    )
+    data = {
+        "calibrations": [calibration],
+        "predictions": [{**r.to_json(), "predicted_ms": 35.0} for r in runs],
+        "bench": [record],
+    }
+    again = known_compute(data, measurements([record]))
+    assert again == pytest.approx({run("naive"): 72.0, run("bucketed", 1e6): 71.0})
+    # The command, from a validate run's JSON.
+    path = tmp_path / "validate.json"
+    path.write_text(json.dumps(data))
+    cli.main(["validate", "--render", str(path), "--known-compute"])
+    printed = capsys.readouterr().out
+    assert "(after the fact), mlp: median 5.0%, worst 10.0% over 2 runs\n" in printed
+    assert "  mlp 1gbit x2 naive: 72.0 against 80.0 ms (10.0%)\n" in printed
 
 
 def test_a_stage_with_one_process_group_keeps_one_lane_by_hand():

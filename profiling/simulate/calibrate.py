@@ -55,7 +55,9 @@ running `worker` (this module under torchrun), which measures, in this order:
    longer than it: `slowdown` = backward with / backward without - 1, how much longer
    compute takes while communication runs on the same cores; and the other way round,
    from when that all-reduce ended against the same all-reduce alone, how much longer
-   communication takes while backward runs (`comm_slowdown`).
+   communication takes while backward runs (`comm_slowdown`); and item 4's sequence
+   again where a step issues its calls, right after that model's backward
+   (`_calls_after_backward`): the model's own `call_s`, what its predictions use.
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -159,14 +161,24 @@ class Calibration:
     # model key -> the same pass over that model's gradients, timed right after its
     # backward (absent in calibrations made before it was measured)
     model_copy_s_per_byte: dict[str, float] = field(default_factory=dict)
+    # model key -> the cost with that model's own call_s, from the sequence timed right
+    # after its backward (absent in calibrations made before it was measured)
+    model_costs: dict[str, CostModel] = field(default_factory=dict)
 
-    def for_model(self, model: str) -> Calibration:
-        """This calibration with `model`'s own pass over its gradients as the copy, where
-        it was measured: a pass just after backward costs more per byte than one 4 MiB
-        gradient divided over and over (`_copy_after_backward`)."""
-        if model not in self.model_copy_s_per_byte:
-            return self
-        return dataclasses.replace(self, copy_s_per_byte=self.model_copy_s_per_byte[model])
+    def for_model(self, model: str, calls_after_backward: bool = False) -> Calibration:
+        """This calibration with `model`'s own figures where they were measured: its pass
+        over its gradients as the copy, as a pass just after backward costs more per
+        byte than one 4 MiB gradient divided over and over (`_copy_after_backward`); and,
+        for a stage that issues its calls one by one after backward
+        (`calls_after_backward`: naive, bucketed), its cost of a call there
+        (`_calls_after_backward`). A stage that launches its calls through backward
+        keeps the cluster's: the trickle's slowdowns were fitted with it."""
+        mine = {}
+        if model in self.model_copy_s_per_byte:
+            mine["copy_s_per_byte"] = self.model_copy_s_per_byte[model]
+        if calls_after_backward and model in self.model_costs:
+            mine["cost"] = self.model_costs[model]
+        return dataclasses.replace(self, **mine) if mine else self
 
     def contention(self, model: str) -> dict[str, float | None]:
         """The four slowdowns of `model`'s step, as `schedule.simulate` takes them."""
@@ -193,6 +205,11 @@ class Calibration:
             buffer_bytes={k: m.get("buffer_bytes", []) for k, m in data["models"].items()},
             model_copy_s_per_byte={
                 k: m["copy_s_per_byte"] for k, m in data["models"].items() if "copy_s_per_byte" in m
+            },
+            model_costs={
+                k: cost_model(data["fit"], data["world_size"], call_s=m["call_s"])
+                for k, m in data["models"].items()
+                if "call_s" in m
             },
         )
 
@@ -421,7 +438,8 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     fits = fit(medians([sweep]), measure_gamma([sweep]))
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
-    extra_s = call_s(result["sequence"], cost_model(fits[ALGORITHM], world_size))
+    fitted = cost_model(fits[ALGORITHM], world_size)  # before any call_s
+    extra_s = call_s(result["sequence"], fitted)
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
     busy_s = busy_launch_s(result["sequence"])
     return {
@@ -440,6 +458,7 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
                 **m,
                 "buffer_bytes": buffer_bytes(configs[key]),
                 "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
+                "call_s": call_s(m["calls_after_backward"], fitted),
             }
             for key, m in result["models"].items()
         },
@@ -575,6 +594,49 @@ def _copy_after_backward(cfg: Config) -> float:
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return statistics.median(slowest.tolist()) / (2 * nbytes)
+
+
+def _calls_after_backward(cfg: Config) -> dict:
+    """Item 4's sequence where a step issues its calls: right after `cfg`'s backward, 1
+    and then 16 small all-reduces one after the other, alternating repeat by repeat (so
+    both lengths see the same spells of the machine), every rank at once from a
+    barrier; per repeat the slowest rank's. Its slope is what a call costs in the step
+    of this model: on the second machine the validation's naive stage measured about
+    2 ms a small call on 2 ranks in every run, while the sequence after matmuls gave
+    1.0 to 2.0 ms from one calibration to the next (0.47 to 1.08 of naive's, a median
+    of 0.81; on 4 ranks 0.85 to 1.08, 0.93). `sequence`'s layout: `slope_s` reads it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ddp.data import rank_batch
+    from ddp.models import build_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.seed * 1000 + rank)
+    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+    tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
+    seconds: list[list[float]] = [[] for _ in SEQUENCE_LENGTHS]
+    for step in range(2 * WARMUP + len(SEQUENCE_LENGTHS) * SEQUENCE_REPEATS):
+        n = SEQUENCE_LENGTHS[step % len(SEQUENCE_LENGTHS)]
+        inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
+        F.cross_entropy(model(inputs), labels).backward()
+        dist.barrier()
+        start = time.perf_counter()
+        for t in tensors[:n]:
+            dist.all_reduce(t)
+        if step >= 2 * WARMUP:
+            seconds[step % len(SEQUENCE_LENGTHS)].append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    rows = slowest.tolist()
+    medians_ms = ", ".join(
+        f"{n} {statistics.median(r) * 1e3:.2f} ms"
+        for n, r in zip(SEQUENCE_LENGTHS, rows, strict=True)
+    )
+    _say(f"{cfg.model}: small all-reduces one by one right after backward: {medians_ms}")
+    return {"size_bytes": SEQUENCE_BYTES, "lengths": list(SEQUENCE_LENGTHS), "seconds": rows}
 
 
 def _sequence() -> dict:
@@ -740,6 +802,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     alone_s = statistics.median(slowest_seconds(lambda: dist.all_reduce(buffer), COMM_ALONE))
     # --8<-- [end:slowdown]
     copy_s_per_byte = _copy_after_backward(cfg)
+    calls = _calls_after_backward(cfg)
     _say(
         f"{cfg.model}: forward {workload.forward_s * 1e3:.1f} ms, backward "
         f"{workload.backward_s * 1e3:.1f} ms alone, {with_comm.backward_s * 1e3:.1f} ms with "
@@ -757,6 +820,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
         "slowdown": slowdown,
         "comm_with_backward_s": with_backward,
         "comm_alone_s": alone_s,
+        "calls_after_backward": calls,
     }
 
 

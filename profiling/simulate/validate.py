@@ -5,6 +5,8 @@
         --markdown docs/results/simulate-validate.md     # the whole grid
     python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
         --markdown docs/results/simulate-validate.md     # the table again, nothing run
+    python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
+        --known-compute     # and each run again with the compute measured (after the fact)
 
 In order, for every (rate, world size) of the grid: calibrate on a fresh cluster
 (`calibrate`: the all-reduce cost, whether two collectives overlap, and per model the
@@ -42,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,7 @@ WORLD_SIZES = (2, 4)
 QUICK = {"models": ("mlp",), "rates": ("1gbit",), "world_sizes": (2,)}
 STAGES = ("naive", "bucketed", "overlapped", "drop_in")
 BUCKETED_STAGES = STAGES[1:]
+AFTER_BACKWARD = ("naive", "bucketed")  # every call issued one by one after backward
 FLOOR = "compute_only"
 BENCH_ROUNDS, BENCH_STEPS, BENCH_WARMUP = 7, 3, 2
 TIE_PCT = 1.0  # two predicted steps this close: the model does not tell them apart
@@ -196,7 +199,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
 
     from profiling.simulate.schedule import simulate
 
-    calibration = calibration.for_model(run.model)
+    calibration = calibration.for_model(run.model, run.stage in AFTER_BACKWARD)
     workload = calibration.workloads[run.model]
     if run.stage == FLOOR:
         return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
@@ -445,6 +448,68 @@ def ranking_line(analysis: dict) -> str:
     )
 
 
+# - after the fact: the error with the compute known ------------------------------------
+
+
+def with_compute_ms(calibration: Calibration, model: str, compute_ms: float) -> Calibration:
+    """`calibration` with `model`'s compute scaled to take `compute_ms` a step: forward,
+    backward, the optimizer and every gradient's ready time, all by one ratio."""
+    w = calibration.workloads[model]
+    k = compute_ms / (w.compute_s * 1e3)
+    scaled = replace(
+        w,
+        grads=tuple(replace(g, ready_s=g.ready_s * k) for g in w.grads),
+        forward_s=w.forward_s * k,
+        backward_s=w.backward_s * k,
+        optimizer_s=w.optimizer_s * k,
+    )
+    return replace(calibration, workloads={**calibration.workloads, model: scaled})
+
+
+def known_compute(data: dict, measured: dict[Run, Measured]) -> dict[Run, float]:
+    """Every measured run predicted again, after its measurement, by the same model from
+    the same calibration, but with the compute that compute_only measured in the same
+    rounds: a diagnostic, not a prediction. What error is left is not the compute's
+    input (calibrated minutes before the benchmark) but the rest: communication, and how
+    the two mix."""
+    from profiling.simulate.calibrate import Calibration
+
+    out = {}
+    for c in data["calibrations"]:
+        calibration = Calibration.from_json(c)
+        for model in calibration.workloads:
+            floor = Run(model, c["rate"], c["world_size"], FLOOR, None)
+            if floor not in measured:
+                continue
+            known = with_compute_ms(calibration, model, measured[floor].median_ms)
+            for p in data["predictions"]:
+                run = Run.from_json(p)
+                if run.group == floor.group and run.stage != FLOOR and run in measured:
+                    out[run] = predict(run, known)["predicted_ms"]
+    return out
+
+
+def known_compute_lines(data: dict, measured: dict[Run, Measured], worst: int = 3) -> list[str]:
+    """The summary of `known_compute`, per model, and its worst runs."""
+    again = known_compute(data, measured)
+    errors = {run: error_pct(p, measured[run].median_ms) for run, p in again.items()}
+    if not errors:
+        return ["with the compute measured in the same rounds: no run to predict again"]
+    lines = []
+    for model in sorted({r.model for r in errors}):
+        mine = [e for r, e in errors.items() if r.model == model]
+        lines.append(
+            f"with the compute measured in the same rounds (after the fact), {model}: median "
+            f"{statistics.median(mine):.1f}%, worst {max(mine):.1f}% over {len(mine)} runs"
+        )
+    for run in sorted(errors, key=errors.get, reverse=True)[:worst]:
+        lines.append(
+            f"  {run.label}: {again[run]:.1f} against {measured[run].median_ms:.1f} ms "
+            f"({errors[run]:.1f}%)"
+        )
+    return lines
+
+
 # - output ------------------------------------------------------------------------------
 
 
@@ -495,7 +560,8 @@ def markdown(data: dict) -> str:
                     f"{f['held_out']['median_pct']:.0f}%",
                     f"{small['one_s'] * 1e3:.2f} / {small['two_s'] * 1e3:.2f} → "
                     f"{c['lanes']} / {c.get('busy_launch_s', 0) * 1e3:.2f}",
-                    f"{c.get('call_s', 0) * 1e3:.2f}",
+                    f"{c.get('call_s', 0) * 1e3:.2f}"
+                    + (f"; after backward {m['call_s'] * 1e3:.2f}" if "call_s" in m else ""),
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
                     f"{w['optimizer_s'] * 1e3:.1f}",
                     f"{m['slowdown']:+.2f} / {m.get('comm_slowdown', 0):+.2f}"
@@ -521,7 +587,7 @@ def markdown(data: dict) -> str:
                 "α µs / 1/β MB/s / γ ns/B / free KiB",
                 "held-out error",
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
-                "in a sequence, per call +ms",
+                "in a sequence, per call +ms; the model's own",
                 "forward / backward / optimizer ms",
                 "slowdown of compute / of communication; with small all-reduces",
                 "copy ms/MiB, 4 MiB in cache; the model's own",
@@ -606,6 +672,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write the table as a fragment for the docs")
     parser.add_argument(
         "--render", metavar="JSON", help="run nothing: the table and --markdown from this JSON"
+    )
+    parser.add_argument(
+        "--known-compute",
+        action="store_true",
+        help="also predict every run again with compute_only's measured step as the compute "
+        "(after the fact): how much of the error is the compute's input",
     )
 
 
@@ -715,7 +787,8 @@ def _report(data: dict, args: argparse.Namespace) -> None:
     from profiling.report import write_json
 
     predicted = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
-    data["analysis"] = analyse(predicted, measurements(data["bench"]))
+    measured = measurements(data["bench"])
+    data["analysis"] = analyse(predicted, measured)
     print(text_table(data["analysis"]))
     for b in data["analysis"]["best_bucket"]:
         same = b["predicted_best_mb"] == b["measured_best_mb"]
@@ -741,5 +814,7 @@ def _report(data: dict, args: argparse.Namespace) -> None:
         write_json(args.json, data)
     if args.markdown:
         open(args.markdown, "w").write(markdown(data))
+    if getattr(args, "known_compute", False):  # a Namespace built by hand may lack it
+        print("\n".join(known_compute_lines(data, measured)))
     print(ranking_line(data["analysis"]))
     print(summary_line(data["analysis"]))
