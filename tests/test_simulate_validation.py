@@ -4,6 +4,7 @@ references worked out by hand or taken from torch; no cluster, a few seconds in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -471,6 +472,15 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
     path = tmp_path / "gantt.svg"
     draw(steps["overlapped"], CAPTIONS["overlapped"], path)
     assert CAPTIONS["overlapped"] in path.read_text()
+    # The MLP's own call after backward, 1 s more a call: naive's three calls and
+    # bucketed's two pay it; overlapped and skip_sync launch through backward and do not.
+    dearer = dataclasses.replace(
+        calibration, model_costs={"mlp": linear_cost(1.0, 1.0 / (10 * MiB))}
+    )
+    steps = simulate_stages(workload, dearer)
+    assert [steps[s].step_s for s in ("naive", "bucketed", "overlapped", "skip_sync")] == [
+        11.0, 10.0, 7.0, 19.0,
+    ]  # fmt: skip
 
 
 def two_gradients(ready_a: float, ready_b: float, collective_s: float, **fields):

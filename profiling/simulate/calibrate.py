@@ -601,10 +601,12 @@ def _calls_after_backward(cfg: Config) -> dict:
     and then 16 small all-reduces one after the other, alternating repeat by repeat (so
     both lengths see the same spells of the machine), every rank at once from a
     barrier; per repeat the slowest rank's. Its slope is what a call costs in the step
-    of this model: on the second machine the validation's naive stage measured about
-    2 ms a small call on 2 ranks in every run, while the sequence after matmuls gave
-    1.0 to 2.0 ms from one calibration to the next (0.47 to 1.08 of naive's, a median
-    of 0.81; on 4 ranks 0.85 to 1.08, 0.93). `sequence`'s layout: `slope_s` reads it."""
+    of this model, where naive and bucketed issue theirs. On the second machine the
+    validation's naive stage measured 1.8 to 2.1 ms a small call on 2 ranks in all six
+    clusters of three runs, while the sequence after matmuls gave 1.0 to 2.0 ms from
+    one calibration to the next; over four runs on both machines it gave 0.47 to 1.08
+    times naive's figure on 2 ranks (a median of 0.81), 0.85 to 1.08 on 4 (0.93).
+    `sequence`'s layout: `slope_s` reads it."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -617,6 +619,7 @@ def _calls_after_backward(cfg: Config) -> dict:
     model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
     seconds: list[list[float]] = [[] for _ in SEQUENCE_LENGTHS]
+    # --8<-- [start:calls]
     for step in range(2 * WARMUP + len(SEQUENCE_LENGTHS) * SEQUENCE_REPEATS):
         n = SEQUENCE_LENGTHS[step % len(SEQUENCE_LENGTHS)]
         inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
@@ -628,6 +631,7 @@ def _calls_after_backward(cfg: Config) -> dict:
         if step >= 2 * WARMUP:
             seconds[step % len(SEQUENCE_LENGTHS)].append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
+    # --8<-- [end:calls]
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rows = slowest.tolist()

@@ -43,9 +43,11 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     import dataclasses
 
     from profiling.simulate.schedule import simulate
-    from profiling.simulate.validate import layout
+    from profiling.simulate.validate import AFTER_BACKWARD, layout
 
-    calibration = calibration.for_model("mlp")  # its copies too, where measured
+    # Its copies too, where measured; and for naive and bucketed its call after backward.
+    after_backward = calibration.for_model("mlp", calls_after_backward=True)
+    calibration = calibration.for_model("mlp")
 
     def plan(stage: str):  # the validation's layout and schedule of each stage
         return layout(stage, workload, BUCKET_CAP_MB, calibration)
@@ -62,7 +64,11 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     }
     return {
         stage: simulate(
-            workload, layout, calibration.cost, schedule, **calibration.contention("mlp")
+            workload,
+            layout,
+            (after_backward if stage in AFTER_BACKWARD else calibration).cost,
+            schedule,
+            **calibration.contention("mlp"),
         )
         for stage, (layout, schedule) in plans.items()
     }
