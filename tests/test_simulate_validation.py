@@ -483,6 +483,22 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
     ]  # fmt: skip
 
 
+def calibration_json(workload, models: dict[str, dict], **fields) -> dict:
+    """A calibration as `calibrate` returns one, cut to what `Calibration.from_json`
+    reads: a fit that costs nothing, no slowdowns, and each model of `models` (name ->
+    its own figures) on `workload`; `fields` at the top (call_s, copy_s_per_byte)."""
+    return {
+        "rate": "1gbit",
+        "world_size": 2,
+        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
+        **fields,
+        "models": {
+            name: {"workload": workload_to_json(workload), "slowdown": 0.0, **more}
+            for name, more in models.items()
+        },
+    }
+
+
 def two_gradients(ready_a: float, ready_b: float, collective_s: float, **fields):
     """A calibration of one model "m": two 100-element gradients ready at these times in
     a 20 ms backward, forward 10 ms, optimizer 5, every collective `collective_s`."""
@@ -538,16 +554,9 @@ def test_prediction_takes_the_models_own_copy_where_measured_by_hand():
     assert predict(run, cache)["predicted_ms"] == pytest.approx(37.6)
     assert measured.for_model("other") is measured
     # From a calibration's JSON: the models' own figures where they are.
-    data = {
-        "rate": "1gbit",
-        "world_size": 2,
-        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
-        "copy_s_per_byte": 1e-6,
-        "models": {
-            name: {"workload": workload_to_json(cache.workloads["m"]), "slowdown": 0.0, **more}
-            for name, more in [("m", {"copy_s_per_byte": 1e-5}), ("old", {})]
-        },
-    }
+    data = calibration_json(
+        cache.workloads["m"], {"m": {"copy_s_per_byte": 1e-5}, "old": {}}, copy_s_per_byte=1e-6
+    )
     assert Calibration.from_json(data).model_copy_s_per_byte == {"m": 1e-5}
 
 
@@ -562,16 +571,7 @@ def test_prediction_takes_the_models_own_call_cost_where_measured_by_hand():
     from profiling.simulate.validate import predict
 
     workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
-    data = {
-        "rate": "1gbit",
-        "world_size": 2,
-        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
-        "call_s": 0.001,
-        "models": {
-            name: {"workload": workload_to_json(workload), "slowdown": 0.0, **more}
-            for name, more in [("m", {"call_s": 0.003}), ("old", {})]
-        },
-    }
+    data = calibration_json(workload, {"m": {"call_s": 0.003}, "old": {}}, call_s=0.001)
     calibration = Calibration.from_json(data)
     step_ms = {
         model: predict(Run(model, "1gbit", 2, "naive", None), calibration)["predicted_ms"]
@@ -596,13 +596,7 @@ def test_known_compute_predicts_again_with_the_measured_compute_by_hand(tmp_path
     from profiling.simulate.validate import known_compute, with_compute_ms
 
     workload = two_gradients(0.010, 0.020, 0.001).workloads["m"]
-    calibration = {
-        "rate": "1gbit",
-        "world_size": 2,
-        "fit": {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma": 0.0, "free_bytes": 0},
-        "call_s": 0.001,
-        "models": {"mlp": {"workload": workload_to_json(workload), "slowdown": 0.0}},
-    }
+    calibration = calibration_json(workload, {"mlp": {}}, call_s=0.001)
     doubled = with_compute_ms(Calibration.from_json(calibration), "mlp", 70.0).workloads["mlp"]
     assert (doubled.forward_s, doubled.backward_s, doubled.optimizer_s) == pytest.approx(
         (0.020, 0.040, 0.010)

@@ -153,9 +153,9 @@ def run(args: argparse.Namespace) -> None:
             f"no calibration file {path}; run `python -m profiling.simulate validate "
             "--json FILE` and pass --calibration FILE"
         )
-    data = read_json(path, "profiling.simulate buckets")
-    if "calibrations" not in data:
-        fail(f"{path} holds no calibrations: give the JSON `validate --json` writes")
+    data = read_json(
+        path, "profiling.simulate buckets", "calibrations", "profiling.simulate validate"
+    )
     found = [
         c
         for c in data["calibrations"]
