@@ -75,11 +75,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddp.config import Config
 from profiling.collectives.model import counts, fit, measure_gamma, medians
 from profiling.simulate.inputs import workload_from_json
 from profiling.simulate.schedule import Cost, CostModel, Workload
+
+if TYPE_CHECKING:
+    import torch
 
 ALGORITHM = "gloo"  # the stages call torch's all-reduce: Gloo's ring, on CPU
 # The sweep: 4 KiB to 16 MiB by factors of 4 (7 sizes: 4 fitted, 3 held out), as many
@@ -549,92 +553,107 @@ def _copy_s_per_byte() -> float:
     return pass_s / COPY_BYTES
 
 
+def _model_after_backward(cfg: Config) -> torch.nn.Module:
+    """`cfg`'s model, seeded per rank as the stages seed theirs."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp.models import build_model
+
+    torch.manual_seed(cfg.seed * 1000 + dist.get_rank())
+    return build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+
+
+def _time_after_backward(
+    cfg: Config, model: torch.nn.Module, steps: int, work: Callable[[int], None]
+) -> list[float]:
+    """Seconds of `work(step)` where a step does its work after backward: `steps` times,
+    `model`'s forward and backward on this rank's batch, a barrier (so every rank
+    starts the work at once, as in a step), then `work` timed; per step the slowest
+    rank's, the warm-up included (the caller drops it)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ddp.data import rank_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seconds = []
+    # --8<-- [start:after_backward]
+    for step in range(steps):
+        inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
+        F.cross_entropy(model(inputs), labels).backward()
+        dist.barrier()
+        start = time.perf_counter()
+        work(step)
+        seconds.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    # --8<-- [end:after_backward]
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
 def _copy_after_backward(cfg: Config) -> float:
     """Seconds per byte of a stage's two passes over `cfg`'s gradients where a step makes
-    them: right after backward, every gradient divided by the world size into its view
-    of one flat buffer (in reverse parameter order, as the buckets go), then the average
-    copied back. Every rank at once, each repeat from a barrier; per repeat the slowest
-    rank's, per byte of one pass; the median. A pass made just after backward costs
-    more per byte than `copy_s_per_byte`'s, one 4 MiB gradient divided over and over:
-    for the validation's MLP (16 MiB) 1.5-1.9 times on 2 ranks and 1.7-4.6 times on 4,
-    in the first two calibrations that timed both; and for the CNN's 17 small tensors
-    each call's own overhead counts. As the stage with one bucket does it; with
-    several, each bucket's copy in, all-reduce and copy out follow one another, and an
+    them: right after backward (`_time_after_backward`), every gradient divided by the
+    world size into its view of one flat buffer (in reverse parameter order, as the
+    buckets go), then the average copied back; per byte of one pass, the median over
+    repeats. A pass made just after backward costs more per byte than
+    `copy_s_per_byte`'s, one 4 MiB gradient divided over and over: for the
+    validation's MLP (16 MiB) 1.5-1.9 times on 2 ranks and 1.7-4.6 times on 4, in the
+    first two calibrations that timed both; and for the CNN's 17 small tensors each
+    call's own overhead counts. As the stage with one bucket does it; with several,
+    each bucket's copy in, all-reduce and copy out follow one another, and an
     overlapped stage copies each gradient in as backward writes it, which this does
     not time apart."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from ddp.data import rank_batch
-    from ddp.models import build_model
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(cfg.seed * 1000 + rank)
-    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+    world = dist.get_world_size()
+    model = _model_after_backward(cfg)
     params = [p for p in model.parameters() if p.requires_grad][::-1]
     flat = torch.empty(sum(p.numel() for p in params))
     views = list(flat.split([p.numel() for p in params]))
     nbytes = flat.numel() * flat.element_size()
-    seconds = []
+
     # --8<-- [start:copy]
-    for step in range(WARMUP + COPY_REPEATS):
-        inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
-        F.cross_entropy(model(inputs), labels).backward()
-        dist.barrier()
-        start = time.perf_counter()
+    def two_passes(step: int) -> None:
         for p, view in zip(params, views, strict=True):
             torch.div(p.grad.view(-1), world, out=view)
         for p, view in zip(params, views, strict=True):
             p.grad.view(-1).copy_(view)
-        if step >= WARMUP:
-            seconds.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
+
     # --8<-- [end:copy]
-    slowest = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist()) / (2 * nbytes)
+    seconds = _time_after_backward(cfg, model, WARMUP + COPY_REPEATS, two_passes)
+    return statistics.median(seconds[WARMUP:]) / (2 * nbytes)
 
 
 def _calls_after_backward(cfg: Config) -> dict:
-    """Item 4's sequence where a step issues its calls: right after `cfg`'s backward, 1
-    and then 16 small all-reduces one after the other, alternating repeat by repeat (so
-    both lengths see the same spells of the machine), every rank at once from a
-    barrier; per repeat the slowest rank's. Its slope is what a call costs in the step
-    of this model, where naive and bucketed issue theirs. On the second machine the
-    validation's naive stage measured 1.8 to 2.1 ms a small call on 2 ranks in all six
-    clusters of three runs, while the sequence after matmuls gave 1.0 to 2.0 ms from
-    one calibration to the next; over four runs on both machines it gave 0.47 to 1.08
-    times naive's figure on 2 ranks (a median of 0.81), 0.85 to 1.08 on 4 (0.93).
+    """Item 4's sequence where a step issues its calls, right after `cfg`'s backward
+    (`_time_after_backward`): 1 and then 16 small all-reduces one after the other,
+    alternating repeat by repeat (so both lengths see the same spells of the machine).
+    Its slope is what a call costs in the step of this model. On the second machine
+    the validation's naive stage measured 1.8 to 2.1 ms a small call on 2 ranks in all
+    six clusters of three runs, while the sequence after matmuls gave 1.0 to 2.0 ms
+    from one calibration to the next; over four runs on both machines it gave 0.47 to
+    1.08 times naive's figure on 2 ranks (a median of 0.81), 0.85 to 1.08 on 4 (0.93).
     `sequence`'s layout: `slope_s` reads it."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from ddp.data import rank_batch
-    from ddp.models import build_model
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(cfg.seed * 1000 + rank)
-    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
-    seconds: list[list[float]] = [[] for _ in SEQUENCE_LENGTHS]
+    kinds = len(SEQUENCE_LENGTHS)
+
     # --8<-- [start:calls]
-    for step in range(2 * WARMUP + len(SEQUENCE_LENGTHS) * SEQUENCE_REPEATS):
-        n = SEQUENCE_LENGTHS[step % len(SEQUENCE_LENGTHS)]
-        inputs, labels = rank_batch(model, cfg.global_batch(world), step, rank, world, cfg.seed)
-        F.cross_entropy(model(inputs), labels).backward()
-        dist.barrier()
-        start = time.perf_counter()
-        for t in tensors[:n]:
+    def calls(step: int) -> None:
+        for t in tensors[: SEQUENCE_LENGTHS[step % kinds]]:
             dist.all_reduce(t)
-        if step >= 2 * WARMUP:
-            seconds[step % len(SEQUENCE_LENGTHS)].append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
+
     # --8<-- [end:calls]
-    slowest = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    rows = slowest.tolist()
+    steps = kinds * (WARMUP + SEQUENCE_REPEATS)  # a whole number of each length
+    seconds = _time_after_backward(cfg, _model_after_backward(cfg), steps, calls)
+    rows = [seconds[kinds * WARMUP + k :: kinds] for k in range(kinds)]
     medians_ms = ", ".join(
         f"{n} {statistics.median(r) * 1e3:.2f} ms"
         for n, r in zip(SEQUENCE_LENGTHS, rows, strict=True)
