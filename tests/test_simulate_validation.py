@@ -472,14 +472,15 @@ def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
     path = tmp_path / "gantt.svg"
     draw(steps["overlapped"], CAPTIONS["overlapped"], path)
     assert CAPTIONS["overlapped"] in path.read_text()
-    # The MLP's own call after backward, 1 s more a call: naive's three calls and
-    # bucketed's two pay it; overlapped and skip_sync launch through backward and do not.
+    # The MLP's own call after backward, 1 s more a call, for every stage: naive's three
+    # calls and bucketed's two pay it; overlapped's bucket 0 goes 3-6, w0 6-8, then the
+    # optimizer: 9 s; skip_sync 12 + 9.
     dearer = dataclasses.replace(
         calibration, model_costs={"mlp": linear_cost(1.0, 1.0 / (10 * MiB))}
     )
     steps = simulate_stages(workload, dearer)
     assert [steps[s].step_s for s in ("naive", "bucketed", "overlapped", "skip_sync")] == [
-        11.0, 10.0, 7.0, 19.0,
+        11.0, 10.0, 9.0, 21.0,
     ]  # fmt: skip
 
 
@@ -578,11 +579,45 @@ def test_prediction_takes_the_models_own_call_cost_where_measured_by_hand():
         for model in ("m", "old")
     }
     assert step_ms == pytest.approx({"m": 41.0, "old": 37.0})
-    assert calibration.for_model("old", calls_after_backward=True) is calibration
-    # Overlapped with one bucket launches its one call from backward: the cluster's 1 ms
-    # (10 + 20 + 1 + 5), not the 3 ms timed after backward.
+    assert calibration.for_model("old") is calibration
+    # Overlapped with one bucket pays the model's too, its one call after its last
+    # gradient: 10 + 20 + 3 + 5 (this calibration has no trickle: no slowdowns).
     overlapped = predict(Run("m", "1gbit", 2, "overlapped", 1e6), calibration)["predicted_ms"]
-    assert overlapped == pytest.approx(36.0)
+    assert overlapped == pytest.approx(38.0)
+
+
+def test_trickle_slowdowns_are_fitted_again_with_the_models_call():
+    # The cluster's trickle made by the model at a call of 0.5 ms and slowdowns (0.8,
+    # 0.5), as the calibration fitted them. A model whose call after backward costs 1 ms
+    # gets the two fitted again with its 1 ms: they give back the measured compute's
+    # end with its call, and with a dearer call the same flights hold less slowdown of
+    # the calls. A model without its own keeps the cluster's pair; figures that
+    # `calibrate` kept are read as kept.
+    from profiling.simulate.calibrate import Calibration, cost_model
+
+    workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
+    repeats = [model_trickle(16e-3, 16, linear_cost(0.5e-3, 0.0), 0.0, 0.8, 0.5)]
+    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    cluster = {"latency_slowdown": 0.8, "comm_latency_slowdown": 0.5}
+    data = calibration_json(
+        workload, {"m": {"call_s": 1e-3}, "old": {}}, call_s=0.5e-3, sequence=sequence, **cluster
+    )
+    calibration = Calibration.from_json(data)
+    mine = calibration.for_model("m")
+    assert mine.cost(4096).seconds == pytest.approx(1e-3)
+    own = latency_slowdowns(sequence, cost_model(data["fit"], 2, call_s=1e-3), 0.0)
+    assert mine.contention("m") == {"slowdown": 0.0, "comm_slowdown": 0.0, **own}
+    end = model_trickle(16e-3, 16, mine.cost, 0.0, *own.values())[0]
+    assert end == pytest.approx(repeats[0][0], rel=1e-9)
+    assert own["comm_latency_slowdown"] < 0.5
+    assert calibration.for_model("old").contention("old") == {
+        "slowdown": 0.0,
+        "comm_slowdown": 0.0,
+        **cluster,
+    }
+    data["models"]["m"].update(latency_slowdown=7.0, comm_latency_slowdown=0.25)
+    kept = Calibration.from_json(data).for_model("m")
+    assert (kept.latency_slowdown, kept.comm_latency_slowdown) == (7.0, 0.25)
 
 
 def test_known_compute_predicts_again_with_the_measured_compute_by_hand(tmp_path, capsys):

@@ -168,20 +168,24 @@ class Calibration:
     # model key -> the cost with that model's own call_s, from the sequence timed right
     # after its backward (absent in calibrations made before it was measured)
     model_costs: dict[str, CostModel] = field(default_factory=dict)
+    # model key -> the two slowdowns of small all-reduces under compute, the trickle's
+    # fitted again with that model's cost (`model_latency_slowdowns`); where it has one
+    model_latency_slowdowns: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def for_model(self, model: str, calls_after_backward: bool = False) -> Calibration:
+    def for_model(self, model: str) -> Calibration:
         """This calibration with `model`'s own figures where they were measured: its pass
         over its gradients as the copy, as a pass just after backward costs more per
-        byte than one 4 MiB gradient divided over and over (`_copy_after_backward`); and,
-        for a stage that issues its calls one by one after backward
-        (`calls_after_backward`: naive, bucketed), its cost of a call there
-        (`_calls_after_backward`). A stage that launches its calls through backward
-        keeps the cluster's: the trickle's slowdowns were fitted with it."""
-        mine = {}
+        byte than one 4 MiB gradient divided over and over (`_copy_after_backward`); its
+        cost of a call in a sequence right after its backward (`_calls_after_backward`),
+        for every stage; and the trickle's two slowdowns fitted with that cost, so that
+        a stage launching its calls through backward counts a call's cost once: in the
+        cost, not again in slowdowns fitted with the cluster's."""
+        mine: dict = {}
         if model in self.model_copy_s_per_byte:
             mine["copy_s_per_byte"] = self.model_copy_s_per_byte[model]
-        if calls_after_backward and model in self.model_costs:
+        if model in self.model_costs:
             mine["cost"] = self.model_costs[model]
+            mine.update(self.model_latency_slowdowns.get(model, {}))
         return dataclasses.replace(self, **mine) if mine else self
 
     def contention(self, model: str) -> dict[str, float | None]:
@@ -195,6 +199,11 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
+        model_costs = {
+            k: cost_model(data["fit"], data["world_size"], call_s=m["call_s"])
+            for k, m in data["models"].items()
+            if "call_s" in m
+        }
         return cls(
             rate=data["rate"],
             world_size=data["world_size"],
@@ -210,11 +219,8 @@ class Calibration:
             model_copy_s_per_byte={
                 k: m["copy_s_per_byte"] for k, m in data["models"].items() if "copy_s_per_byte" in m
             },
-            model_costs={
-                k: cost_model(data["fit"], data["world_size"], call_s=m["call_s"])
-                for k, m in data["models"].items()
-                if "call_s" in m
-            },
+            model_costs=model_costs,
+            model_latency_slowdowns=model_latency_slowdowns(data, model_costs),
         )
 
 
@@ -392,6 +398,26 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
 # --8<-- [end:latency]
 
 
+LATENCY_KEYS = ("latency_slowdown", "comm_latency_slowdown")
+
+
+def model_latency_slowdowns(data: dict, costs: dict[str, CostModel]) -> dict[str, dict[str, float]]:
+    """Per model of a calibration's `data` with its own cost (`costs`), the trickle's two
+    slowdowns fitted with that cost (`latency_slowdowns`): what `calibrate` kept, or,
+    in a calibration made before it kept them, fitted now from its trickle (the same
+    figures). None where the calibration has no trickle."""
+    if "trickle" not in data.get("sequence", {}):
+        return {}
+    fitted = {}
+    for key, cost in costs.items():
+        kept = data["models"][key]
+        if all(k in kept for k in LATENCY_KEYS):
+            fitted[key] = {k: kept[k] for k in LATENCY_KEYS}
+        else:
+            fitted[key] = latency_slowdowns(data["sequence"], cost, data.get("busy_launch_s", 0.0))
+    return fitted
+
+
 def buffer_bytes(cfg: Config) -> list[int]:
     """Bytes of the model's buffers, one entry per dtype: what a stage with
     broadcast_buffers (buffers and later, torch's default) broadcasts before each
@@ -446,6 +472,19 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     extra_s = call_s(result["sequence"], fitted)
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
     busy_s = busy_launch_s(result["sequence"])
+
+    def own(key: str, m: dict) -> dict:
+        """`m`'s figures fitted here: its call after backward, and the trickle's two
+        slowdowns fitted with that call's cost (`Calibration.for_model`)."""
+        model_call_s = call_s(m["calls_after_backward"], fitted)
+        model_cost = cost_model(fits[ALGORITHM], world_size, call_s=model_call_s)
+        return {
+            "buffer_bytes": buffer_bytes(configs[key]),
+            "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
+            "call_s": model_call_s,
+            **latency_slowdowns(result["sequence"], model_cost, busy_s),
+        }
+
     return {
         "rate": rate,
         "world_size": world_size,
@@ -457,15 +496,7 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
-        "models": {
-            key: {
-                **m,
-                "buffer_bytes": buffer_bytes(configs[key]),
-                "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
-                "call_s": call_s(m["calls_after_backward"], fitted),
-            }
-            for key, m in result["models"].items()
-        },
+        "models": {key: {**m, **own(key, m)} for key, m in result["models"].items()},
     }
 
 

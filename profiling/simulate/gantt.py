@@ -43,11 +43,10 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     import dataclasses
 
     from profiling.simulate.schedule import simulate
-    from profiling.simulate.validate import AFTER_BACKWARD, layout
+    from profiling.simulate.validate import layout
 
-    # Its copies too, where measured; and for naive and bucketed its call after backward
-    # (both timed on the validation's MLP, 1024 x 5, not on this trace's 2048 x 7).
-    after_backward = calibration.for_model("mlp", calls_after_backward=True)
+    # Its copies and its call after backward too, where measured (both timed on the
+    # validation's MLP, 1024 x 5, not on this trace's 2048 x 7).
     calibration = calibration.for_model("mlp")
 
     def plan(stage: str):  # the validation's layout and schedule of each stage
@@ -67,7 +66,7 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
         stage: simulate(
             workload,
             layout,
-            (after_backward if stage in AFTER_BACKWARD else calibration).cost,
+            calibration.cost,
             schedule,
             **calibration.contention("mlp"),
         )

@@ -68,7 +68,6 @@ WORLD_SIZES = (2, 4)
 QUICK = {"models": ("mlp",), "rates": ("1gbit",), "world_sizes": (2,)}
 STAGES = ("naive", "bucketed", "overlapped", "drop_in")
 BUCKETED_STAGES = STAGES[1:]
-AFTER_BACKWARD = ("naive", "bucketed")  # every call issued one by one after backward
 FLOOR = "compute_only"
 BENCH_ROUNDS, BENCH_STEPS, BENCH_WARMUP = 7, 3, 2
 TIE_PCT = 1.0  # two predicted steps this close: the model does not tell them apart
@@ -199,7 +198,7 @@ def predict(run: Run, calibration: Calibration) -> dict:
 
     from profiling.simulate.schedule import simulate
 
-    calibration = calibration.for_model(run.model, run.stage in AFTER_BACKWARD)
+    calibration = calibration.for_model(run.model)
     workload = calibration.workloads[run.model]
     if run.stage == FLOOR:
         return {"predicted_ms": workload.compute_s * 1e3, "buckets": 0}
@@ -569,6 +568,12 @@ def markdown(data: dict) -> str:
                         f"; {c['latency_slowdown']:+.2f} / {c['comm_latency_slowdown']:+.2f}"
                         if "latency_slowdown" in c
                         else ""
+                    )
+                    + (
+                        f"; the model's own {m['latency_slowdown']:+.2f} / "
+                        f"{m['comm_latency_slowdown']:+.2f}"
+                        if "latency_slowdown" in m
+                        else ""
                     ),
                     f"{c.get('copy_s_per_byte', 0) * 2**20 * 1e3:.2f}"
                     + (
@@ -589,7 +594,7 @@ def markdown(data: dict) -> str:
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "in a sequence, per call +ms; the model's own",
                 "forward / backward / optimizer ms",
-                "slowdown of compute / of communication; with small all-reduces",
+                "slowdown of compute / of communication; with small all-reduces; the model's own",
                 "copy ms/MiB, 4 MiB in cache; the model's own",
                 "load",
             ],
