@@ -620,6 +620,28 @@ def test_trickle_slowdowns_are_fitted_again_with_the_models_call():
     assert (kept.latency_slowdown, kept.comm_latency_slowdown) == (7.0, 0.25)
 
 
+def test_calibrate_keeps_the_pair_it_would_fit_on_load():
+    # `model_fits`, what `calibrate` keeps per model: the call after backward is its
+    # sequence's slope (1 and 16 calls in 2 and 47 ms: 3 ms a call) less the fit's cost
+    # of 4 KiB (0 here); the trickle's pair is the one a calibration without it gets
+    # fitted on load, with that 3 ms call.
+    from profiling.simulate.calibrate import Calibration, model_fits
+
+    workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
+    repeats = [model_trickle(16e-3, 16, linear_cost(0.5e-3, 0.0), 0.0, 0.8, 0.5)]
+    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    calls = {"size_bytes": 4096, "lengths": [1, 16], "seconds": [[2e-3] * 3, [47e-3] * 3]}
+    measured = {"calls_after_backward": calls, "comm_with_backward_s": [[3.0, 2.0]]}
+    data = calibration_json(workload, {"m": {"comm_alone_s": 2.0, **measured}}, sequence=sequence)
+    fits = model_fits(data["models"]["m"], data["fit"], 2, sequence, 0.0)
+    assert fits["call_s"] == pytest.approx(3e-3)
+    assert fits["comm_slowdown"] == pytest.approx(1.0)
+    data["models"]["m"]["call_s"] = fits["call_s"]
+    on_load = Calibration.from_json(data).model_latency_slowdowns["m"]
+    assert on_load == {k: fits[k] for k in ("latency_slowdown", "comm_latency_slowdown")}
+    assert on_load["latency_slowdown"] != pytest.approx(0.8, abs=1e-3)
+
+
 def test_known_compute_predicts_again_with_the_measured_compute_by_hand(tmp_path, capsys):
     # The MLP's compute calibrated at 35 ms a step (forward 10, a 20 ms backward with the
     # gradients ready at 10 and 20 ms, optimizer 5), every collective 1 ms, no copies.

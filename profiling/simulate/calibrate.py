@@ -472,19 +472,6 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
     extra_s = call_s(result["sequence"], fitted)
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
     busy_s = busy_launch_s(result["sequence"])
-
-    def own(key: str, m: dict) -> dict:
-        """`m`'s figures fitted here: its call after backward, and the trickle's two
-        slowdowns fitted with that call's cost (`Calibration.for_model`)."""
-        model_call_s = call_s(m["calls_after_backward"], fitted)
-        model_cost = cost_model(fits[ALGORITHM], world_size, call_s=model_call_s)
-        return {
-            "buffer_bytes": buffer_bytes(configs[key]),
-            "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
-            "call_s": model_call_s,
-            **latency_slowdowns(result["sequence"], model_cost, busy_s),
-        }
-
     return {
         "rate": rate,
         "world_size": world_size,
@@ -496,8 +483,33 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **result,
-        "models": {key: {**m, **own(key, m)} for key, m in result["models"].items()},
+        "models": {
+            key: {
+                **m,
+                "buffer_bytes": buffer_bytes(configs[key]),
+                **model_fits(m, fits[ALGORITHM], world_size, result["sequence"], busy_s),
+            }
+            for key, m in result["models"].items()
+        },
     }
+
+
+# --8<-- [start:own]
+def model_fits(m: dict, fit: dict, world_size: int, sequence: dict, busy_s: float) -> dict:
+    """One model's figures fitted on the driver's side from its measurements `m`: how
+    much communication slows under its backward, its call after backward (`call_s`
+    of its own sequence, against the cluster's `fit`), and the trickle's two slowdowns
+    fitted again with that call's cost (`Calibration.for_model`)."""
+    model_call_s = call_s(m["calls_after_backward"], cost_model(fit, world_size))
+    model_cost = cost_model(fit, world_size, call_s=model_call_s)
+    return {
+        "comm_slowdown": comm_slowdown(m["comm_with_backward_s"], m["comm_alone_s"]),
+        "call_s": model_call_s,
+        **latency_slowdowns(sequence, model_cost, busy_s),
+    }
+
+
+# --8<-- [end:own]
 
 
 # - the worker, on every rank -----------------------------------------------------------
