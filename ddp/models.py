@@ -3,8 +3,13 @@ arguments; `build_model` is what the command line and the benchmarks call."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ddp.config import Config
 
 
 class MLP(nn.Module):
@@ -86,3 +91,10 @@ def build_model(name: str, width: int = 64, depth: int = 3) -> nn.Module:
     if name in ("mlp", "frozen"):
         return MODELS[name](in_features=width, width=width, depth=depth)
     return MODELS[name]()
+
+
+def rank_model(cfg: Config, rank: int) -> nn.Module:
+    """`cfg`'s model as rank `rank` builds it: seeded per rank on purpose, so the
+    replicas start different and the wrapper must make them identical."""
+    torch.manual_seed(cfg.seed * 1000 + rank)
+    return build_model(cfg.model, width=cfg.width, depth=cfg.depth)

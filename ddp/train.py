@@ -29,7 +29,7 @@ from ddp.dist import (
     teardown_process_group,
 )
 from ddp.faults import Fault
-from ddp.models import build_model
+from ddp.models import rank_model
 from ddp.progress import Progress
 
 Wrap = Callable[[nn.Module, Config], nn.Module]
@@ -70,9 +70,7 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     global_batch = cfg.global_batch(world)
     split_batch(global_batch, rank, world)  # fail before any collective if it does not split
-    # Seed the model per rank on purpose: the wrapper must make replicas identical.
-    torch.manual_seed(cfg.seed * 1000 + rank)
-    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth).to(device)
+    model = rank_model(cfg, rank).to(device)
     wrapped = wrap(model, cfg)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddp.buckets import Bucket, assign_buckets
 from ddp.config import Config
-from ddp.models import build_model
+from ddp.models import rank_model
 from ddp.train import (
     ComputeOnly,
     MicroBatches,
@@ -85,9 +85,7 @@ def extra_wraps() -> dict[str, Wrap]:
 def build_variant(
     name: str, wrap: Wrap | None, cfg: Config, device: torch.device, sweep_value=None
 ) -> Variant:
-    # As in ddp.train.train: seeded per rank on purpose, the wrapper makes replicas equal.
-    torch.manual_seed(cfg.seed * 1000 + dist.get_rank())
-    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth).to(device)
+    model = rank_model(cfg, dist.get_rank()).to(device)  # as ddp.train.train builds it
     if name == COMM:
         # The stages' layout: reverse parameter order, at most bucket_cap_mb MiB each.
         # The buffers stay zero (0 + 0 never overflows); Gloo's time does not depend on

@@ -596,17 +596,6 @@ def _copy_s_per_byte() -> float:
     return pass_s / COPY_BYTES
 
 
-def _model_after_backward(cfg: Config) -> torch.nn.Module:
-    """`cfg`'s model, seeded per rank as the stages seed theirs."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.models import build_model
-
-    torch.manual_seed(cfg.seed * 1000 + dist.get_rank())
-    return build_model(cfg.model, width=cfg.width, depth=cfg.depth)
-
-
 def _time_after_backward(
     cfg: Config, model: torch.nn.Module, steps: int, work: Callable[[int], None]
 ) -> list[float]:
@@ -653,8 +642,10 @@ def _copy_after_backward(cfg: Config) -> float:
     import torch
     import torch.distributed as dist
 
+    from ddp.models import rank_model
+
     world = dist.get_world_size()
-    model = _model_after_backward(cfg)
+    model = rank_model(cfg, dist.get_rank())
     params = [p for p in model.parameters() if p.requires_grad][::-1]
     flat = torch.empty(sum(p.numel() for p in params))
     views = list(flat.split([p.numel() for p in params]))
@@ -685,6 +676,8 @@ def _calls_after_backward(cfg: Config) -> dict:
     import torch
     import torch.distributed as dist
 
+    from ddp.models import rank_model
+
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
     kinds = len(SEQUENCE_LENGTHS)
 
@@ -695,7 +688,8 @@ def _calls_after_backward(cfg: Config) -> dict:
 
     # --8<-- [end:calls]
     steps = kinds * (WARMUP + SEQUENCE_REPEATS)  # a whole number of each length
-    seconds = _time_after_backward(cfg, _model_after_backward(cfg), steps, calls)
+    model = rank_model(cfg, dist.get_rank())
+    seconds = _time_after_backward(cfg, model, steps, calls)
     rows = [seconds[kinds * WARMUP + k :: kinds] for k in range(kinds)]
     medians_ms = ", ".join(
         f"{n} {statistics.median(r) * 1e3:.2f} ms"

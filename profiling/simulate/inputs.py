@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ddp.config import Config
 from ddp.data import rank_batch
-from ddp.models import build_model
+from ddp.models import rank_model
 from profiling.simulate.schedule import Grad, Workload
 
 
@@ -74,8 +74,7 @@ def time_repeats(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed * 1000 + rank)  # as the bench seeds a rank's model
-    model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
+    model = rank_model(cfg, rank)  # as the bench builds a rank's model
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     grads = [(n, p.numel() * p.element_size()) for n, p in trainable]
