@@ -586,6 +586,13 @@ def test_prediction_takes_the_models_own_call_cost_where_measured_by_hand():
     assert overlapped == pytest.approx(38.0)
 
 
+def trickled_at_half_a_millisecond() -> dict:
+    """A cluster's sequence whose one trickle the model made at a call of 0.5 ms and
+    slowdowns (0.8, 0.5)."""
+    repeats = [model_trickle(16e-3, 16, linear_cost(0.5e-3, 0.0), 0.0, 0.8, 0.5)]
+    return {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+
+
 def test_trickle_slowdowns_are_fitted_again_with_the_models_call():
     # The cluster's trickle made by the model at a call of 0.5 ms and slowdowns (0.8,
     # 0.5), as the calibration fitted them. A model whose call after backward costs 1 ms
@@ -596,8 +603,8 @@ def test_trickle_slowdowns_are_fitted_again_with_the_models_call():
     from profiling.simulate.calibrate import Calibration, cost_model
 
     workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
-    repeats = [model_trickle(16e-3, 16, linear_cost(0.5e-3, 0.0), 0.0, 0.8, 0.5)]
-    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    sequence = trickled_at_half_a_millisecond()
+    repeats = sequence["trickle"]["repeats"]
     cluster = {"latency_slowdown": 0.8, "comm_latency_slowdown": 0.5}
     data = calibration_json(
         workload, {"m": {"call_s": 1e-3}, "old": {}}, call_s=0.5e-3, sequence=sequence, **cluster
@@ -628,8 +635,7 @@ def test_calibrate_keeps_the_pair_it_would_fit_on_load():
     from profiling.simulate.calibrate import Calibration, model_fits
 
     workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
-    repeats = [model_trickle(16e-3, 16, linear_cost(0.5e-3, 0.0), 0.0, 0.8, 0.5)]
-    sequence = {"size_bytes": 4096, "trickle": {"calls": 16, "repeats": repeats}}
+    sequence = trickled_at_half_a_millisecond()
     calls = {"size_bytes": 4096, "lengths": [1, 16], "seconds": [[2e-3] * 3, [47e-3] * 3]}
     measured = {"calls_after_backward": calls, "comm_with_backward_s": [[3.0, 2.0]]}
     data = calibration_json(workload, {"m": {"comm_alone_s": 2.0, **measured}}, sequence=sequence)

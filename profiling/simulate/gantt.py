@@ -64,11 +64,7 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     }
     return {
         stage: simulate(
-            workload,
-            layout,
-            calibration.cost,
-            schedule,
-            **calibration.contention("mlp"),
+            workload, layout, calibration.cost, schedule, **calibration.contention("mlp")
         )
         for stage, (layout, schedule) in plans.items()
     }
