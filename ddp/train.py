@@ -29,6 +29,7 @@ from ddp.dist import (
     teardown_process_group,
 )
 from ddp.faults import Fault
+from ddp.heap import steady_heap
 from ddp.models import rank_model
 from ddp.progress import Progress
 
@@ -308,6 +309,7 @@ def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult
         if buckets
         else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"},
     )
+    steady_heap()  # step times that do not hang on what the process freed before
     device = setup_process_group(cfg.backend, cfg.timeout)
     try:
         progress = Progress(runs=1, work=cfg.warmup_steps + cfg.steps)

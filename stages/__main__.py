@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
+from ddp.heap import steady_heap
 from ddp.progress import Progress
 from ddp.train import print_table, train
 from stages import standard_runs
@@ -14,6 +15,7 @@ from stages import standard_runs
 
 def main() -> None:
     cfg = parse_config(module="stages", description=__doc__)
+    steady_heap()  # each run's steps cost the same whatever the run before it freed
     device = setup_process_group(cfg.backend, cfg.timeout)
     runs = standard_runs()
     try:

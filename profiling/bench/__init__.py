@@ -24,7 +24,8 @@ hits every variant alike. Every step starts at a barrier and its time is the slo
 rank's. All variants see the same batches. The step is `ddp.train.train`'s: for each of
 --accumulation-steps micro-batches forward, cross-entropy, backward (inside no_sync()
 but for the last, where the wrapper has it), finish_gradient_synchronization; then the
-SGD(momentum) step and zero_grad.
+SGD(momentum) step and zero_grad. Every rank holds glibc's heap steady first
+(`ddp.heap`), so that a variant's step does not cost more for what another freed.
 
 The perfect-overlap bound. Two more things are timed in the same rounds: inside every
 compute_only step, the time from its start to the end of the last micro-batch's forward

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ddp.config import Config
 from ddp.data import split_batch
 from ddp.dist import replicas_identical, setup_process_group, teardown_process_group
+from ddp.heap import steady_heap
 from ddp.progress import Progress
 from profiling.bench.options import (
     COMM,
@@ -36,6 +37,7 @@ from profiling.report import load_average
 
 
 def run_worker(opts: BenchOptions, cfg: Config) -> None:
+    steady_heap()  # a variant's step must not cost more for what another freed before it
     device = setup_process_group(cfg.backend)
     try:
         record = benchmark(opts, cfg, device)  # holds no module: the group can go

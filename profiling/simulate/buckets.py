@@ -133,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ddp.config import Config
+    from ddp.heap import steady_heap
     from profiling.report import command_line, markdown_table, produced_by, read_json
     from profiling.simulate.calibrate import Calibration
     from profiling.simulate.inputs import measure_workload
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> None:
     if "mlp" not in found[0]["models"]:
         fail(f"{path}'s calibration at {args.network} on {args.nproc} ranks has no MLP")
     calibration = Calibration.from_json(found[0])
+    steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
     body = []
     for shape in shapes:
         cfg = Config(model="mlp", width=shape.width, depth=shape.depth, batch_size=shape.batch_size)
