@@ -4,6 +4,7 @@ references worked out by hand or taken from torch; no cluster, a few seconds in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -260,36 +261,60 @@ def test_copy_after_backward_is_seconds_per_byte_of_one_pass(monkeypatch):
     assert per_byte == pytest.approx(1 / (2 * nbytes))
 
 
-def test_calls_after_backward_alternate_lengths_and_slope_by_hand(monkeypatch):
-    # On a clock that moves only when a call is made, 1 s a call: repeats alternate 1 and
-    # 16 calls, each length timed SEQUENCE_REPEATS times after the warm-up, and the
-    # slope between them is 1 s a call.
+@contextlib.contextmanager
+def clock_moved_by(monkeypatch, collective: str, seconds: float):
+    """A one-rank Gloo group, on a clock that moves `seconds` at every call of
+    `dist.<collective>` and never otherwise: yields {"now", "calls"}."""
     import time
 
     import torch.distributed as dist
 
-    from profiling.simulate import calibrate
+    clock = {"now": 0.0, "calls": 0}
+    real = getattr(dist, collective)
 
-    cfg = Config(model="mlp", width=16, depth=2, batch_size=4)
-    clock = {"now": 0.0}
-    real_all_reduce = dist.all_reduce
-
-    def one_second_all_reduce(tensor, *args, **kwargs):
-        clock["now"] += 1.0
-        return real_all_reduce(tensor, *args, **kwargs)
+    def ticking(tensor, *args, **kwargs):
+        clock["now"] += seconds
+        clock["calls"] += 1
+        return real(tensor, *args, **kwargs)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
-        monkeypatch.setattr(dist, "all_reduce", one_second_all_reduce)
-        sequence = calibrate._calls_after_backward(cfg)
+        monkeypatch.setattr(dist, collective, ticking)
+        yield clock
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_calls_after_backward_alternate_lengths_and_slope_by_hand(monkeypatch):
+    # On a clock that moves only when a call is made, 1 s a call: repeats alternate 1 and
+    # 16 calls, each length timed SEQUENCE_REPEATS times after the warm-up, and the
+    # slope between them is 1 s a call.
+    from profiling.simulate import calibrate
+
+    cfg = Config(model="mlp", width=16, depth=2, batch_size=4)
+    with clock_moved_by(monkeypatch, "all_reduce", 1.0):
+        sequence = calibrate._calls_after_backward(cfg)
     assert sequence["lengths"] == [1, 16]
     repeats = calibrate.SEQUENCE_REPEATS
     assert sequence["seconds"] == [[1.0] * repeats, [16.0] * repeats]
     assert calibrate.slope_s(sequence) == pytest.approx(1.0)
+
+
+def test_broadcast_buffers_times_one_broadcast_per_dtype_by_hand(monkeypatch):
+    # On a clock that moves 1 ms at every broadcast: the CNN's buffers are two dtypes,
+    # so each timed repeat is two broadcasts, 2 ms, the warm-up dropped. The MLP has no
+    # buffers: 0, with nothing broadcast.
+    from profiling.simulate import calibrate
+
+    with clock_moved_by(monkeypatch, "broadcast", 1e-3) as clock:
+        cnn_s = calibrate._broadcast_buffers(Config(model="cnn", batch_size=4))
+        calls = clock["calls"]
+        mlp_s = calibrate._broadcast_buffers(Config(model="mlp", width=16, depth=2))
+    assert cnn_s == pytest.approx(2e-3)
+    assert calls == 2 * (calibrate.WARMUP + calibrate.BROADCAST_REPEATS)
+    assert mlp_s == 0.0 and clock["calls"] == calls
 
 
 def test_buffer_bytes_per_dtype_by_hand():
@@ -535,6 +560,28 @@ def test_drop_in_prediction_adds_buffer_broadcast_and_status_exchange_by_hand():
         for stage in ("overlapped", "drop_in")
     }
     assert step_ms == pytest.approx({"overlapped": 36.0, "drop_in": 38.0})
+
+
+def test_drop_in_takes_the_measured_buffer_broadcast_by_hand():
+    # As above, every collective 1 ms, but the calibration timed the buffers' broadcast
+    # at 0.3 ms: drop_in is 36 + 0.3 (before forward) + 1 (the status rows) = 37.3 ms,
+    # not 38. A calibration's JSON carries it per model; one made before it was timed
+    # costs the broadcast as an all-reduce (38 ms), and a model without it too.
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.validate import buffer_broadcast_s, predict
+
+    run = Run("m", "1gbit", 2, "drop_in", 1e6)
+    timed = two_gradients(
+        0.010, 0.020, 0.001, buffer_bytes={"m": [8]}, broadcast_buffers_s={"m": 0.0003}
+    )
+    assert predict(run, timed)["predicted_ms"] == pytest.approx(37.3)
+    workload = timed.workloads["m"]
+    data = calibration_json(workload, {"m": {"broadcast_buffers_s": 0.0003}, "old": {}})
+    loaded = Calibration.from_json(data)
+    assert loaded.broadcast_buffers_s == {"m": 0.0003}
+    loaded = dataclasses.replace(loaded, cost=timed.cost, buffer_bytes={"m": [8], "old": [8, 8]})
+    assert buffer_broadcast_s(loaded, "m") == pytest.approx(0.0003)
+    assert buffer_broadcast_s(loaded, "old") == pytest.approx(0.002)
 
 
 def test_prediction_takes_the_models_own_copy_where_measured_by_hand():

@@ -57,7 +57,9 @@ running `worker` (this module under torchrun), which measures, in this order:
    from when that all-reduce ended against the same all-reduce alone, how much longer
    communication takes while backward runs (`comm_slowdown`); and item 4's sequence
    again where a step issues its calls, right after that model's backward
-   (`_calls_after_backward`): the model's own `call_s`, what its predictions use.
+   (`_calls_after_backward`): the model's own `call_s`, what its predictions use; and
+   the broadcast of its buffers (`_broadcast_buffers`), which the stages with
+   broadcast_buffers make before each forward.
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -106,6 +108,7 @@ COMM_ALONE = 5  # then timed alone this many times
 COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
 COPY_REPEATS = 20
 MAX_COMM_BYTES = 256 * 2**20
+BROADCAST_REPEATS = 30  # the buffers' broadcast: a fraction of a millisecond each
 SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
 SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
 SEQUENCE_REPEATS = 15
@@ -171,6 +174,9 @@ class Calibration:
     # model key -> the two slowdowns of small all-reduces under compute, the trickle's
     # fitted again with that model's cost (`model_latency_slowdowns`); where it has one
     model_latency_slowdowns: dict[str, dict[str, float]] = field(default_factory=dict)
+    # model key -> seconds of its buffers' broadcast before forward, as a step makes it
+    # (`_broadcast_buffers`; absent in calibrations made before it was measured)
+    broadcast_buffers_s: dict[str, float] = field(default_factory=dict)
 
     def for_model(self, model: str) -> Calibration:
         """This calibration with `model`'s own figures where they were measured: its pass
@@ -221,6 +227,11 @@ class Calibration:
             },
             model_costs=model_costs,
             model_latency_slowdowns=model_latency_slowdowns(data, model_costs),
+            broadcast_buffers_s={
+                k: m["broadcast_buffers_s"]
+                for k, m in data["models"].items()
+                if "broadcast_buffers_s" in m
+            },
         )
 
 
@@ -519,11 +530,13 @@ def worker(settings: dict) -> None:
     import torch.distributed as dist
 
     from ddp.dist import setup_process_group, teardown_process_group
+    from ddp.heap import steady_heap
     from profiling.collectives.worker import sweep
 
     # The stages' setup and teardown: torch._dynamo imported before the group exists (the
     # optimizer's step would import it after, and keep the group alive into interpreter
     # shutdown, where Gloo's threads can abort the process).
+    steady_heap()  # the heap as the benchmark's ranks hold it (`ddp.heap`)
     setup_process_group("gloo")
     try:
         rank = dist.get_rank()
@@ -699,6 +712,29 @@ def _calls_after_backward(cfg: Config) -> dict:
     return {"size_bytes": SEQUENCE_BYTES, "lengths": list(SEQUENCE_LENGTHS), "seconds": rows}
 
 
+def _broadcast_buffers(cfg: Config) -> float:
+    """Seconds of `ddp.dist.broadcast_buffers` over `cfg`'s model, as a stage with
+    broadcast_buffers makes it before each forward: from a barrier (a step starts at
+    one in the benchmark), the slowest rank's, the median over repeats; 0 for a model
+    without buffers. Gloo's broadcast is not an all-reduce of as many bytes: on the
+    virtual cluster at 1 Gbit/s one broadcast of either of the CNN's two took
+    0.56-0.65 ms on 4 ranks, where an all-reduce of the same bytes took 4.3-8.3 ms; on
+    2 ranks, 0.19-0.26 ms."""
+    import torch.distributed as dist
+
+    from ddp.dist import broadcast_buffers, slowest_seconds
+    from ddp.models import rank_model
+
+    model = rank_model(cfg, dist.get_rank())
+    if not list(model.buffers()):
+        return 0.0
+    group = dist.group.WORLD
+    # --8<-- [start:broadcast]
+    seconds = slowest_seconds(lambda: broadcast_buffers(model, group), WARMUP + BROADCAST_REPEATS)
+    # --8<-- [end:broadcast]
+    return statistics.median(seconds[WARMUP:])
+
+
 def _sequence() -> dict:
     """Small all-reduces, per repeat the slowest rank's:
 
@@ -863,13 +899,15 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     # --8<-- [end:slowdown]
     copy_s_per_byte = _copy_after_backward(cfg)
     calls = _calls_after_backward(cfg)
+    broadcast_s = _broadcast_buffers(cfg)
     _say(
         f"{cfg.model}: forward {workload.forward_s * 1e3:.1f} ms, backward "
         f"{workload.backward_s * 1e3:.1f} ms alone, {with_comm.backward_s * 1e3:.1f} ms with "
         f"{comm_bytes / 2**20:.1f} MiB in flight (slowdown {slowdown:.2f}; the all-reduce "
         f"{alone_s * 1e3:.1f} ms alone), optimizer "
         f"{workload.optimizer_s * 1e3:.1f} ms, a pass over its gradients "
-        f"{copy_s_per_byte * 2**20 * 1e3:.2f} ms/MiB"
+        f"{copy_s_per_byte * 2**20 * 1e3:.2f} ms/MiB, its buffers' broadcast "
+        f"{broadcast_s * 1e3:.2f} ms"
     )
     return {
         "config": dataclasses.asdict(cfg),
@@ -881,6 +919,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
         "comm_with_backward_s": with_backward,
         "comm_alone_s": alone_s,
         "calls_after_backward": calls,
+        "broadcast_buffers_s": broadcast_s,
     }
 
 

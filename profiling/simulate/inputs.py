@@ -15,7 +15,9 @@ runs a step with one micro-batch:
 - optimizer: SGD(momentum 0.9) step and `zero_grad(set_to_none=True)`, as the bench.
 
 Each figure is the median over repeats. One thread (`torch.set_num_threads(1)`), as the
-benchmark's ranks run (torchrun sets OMP_NUM_THREADS=1 on this machine's 2 cores).
+benchmark's ranks run (torchrun sets OMP_NUM_THREADS=1 on this machine's 2 cores). The
+heap as the benchmark's ranks hold it is the caller's to set, once per process
+(`ddp.heap.steady_heap`): the calibration's worker and the command-line tools do.
 
 Run on its own it sees a whole core. The benchmark's ranks share the machine's cores, so
 the calibration (`calibrate`) runs it on every rank of the cluster at once, each repeat

@@ -186,9 +186,13 @@ def layout(
 
 def buffer_broadcast_s(calibration: Calibration, model: str) -> float:
     """broadcast_buffers (torch's default, the drop-in's too): rank 0's buffers before
-    each forward, one broadcast per dtype, costed as an all-reduce of as many bytes
-    (both are a few message rounds at these sizes). The CNN's BatchNorm has two; the
-    MLP none."""
+    each forward, one broadcast per dtype (the CNN's BatchNorm has two; the MLP none).
+    As the calibration timed it (`calibrate._broadcast_buffers`), or, in a calibration
+    made before it did, costed as an all-reduce of as many bytes: on 4 ranks about ten
+    times what the broadcast took, which needs fewer message rounds than the ring
+    all-reduce's 2(p - 1)."""
+    if model in calibration.broadcast_buffers_s:
+        return calibration.broadcast_buffers_s[model]
     return sum(calibration.cost(n).seconds for n in calibration.buffer_bytes[model])
 
 
@@ -562,7 +566,12 @@ def markdown(data: dict) -> str:
                     f"{c.get('call_s', 0) * 1e3:.2f}"
                     + (f"; after backward {m['call_s'] * 1e3:.2f}" if "call_s" in m else ""),
                     f"{w['forward_s'] * 1e3:.1f} / {w['backward_s'] * 1e3:.1f} / "
-                    f"{w['optimizer_s'] * 1e3:.1f}",
+                    f"{w['optimizer_s'] * 1e3:.1f}"
+                    + (
+                        f"; {m['broadcast_buffers_s'] * 1e3:.2f}"
+                        if m.get("broadcast_buffers_s")
+                        else ""
+                    ),
                     f"{m['slowdown']:+.2f} / {m.get('comm_slowdown', 0):+.2f}"
                     + (
                         f"; {c['latency_slowdown']:+.2f} / {c['comm_latency_slowdown']:+.2f}"
@@ -593,7 +602,7 @@ def markdown(data: dict) -> str:
                 "held-out error",
                 "one / two 4 KiB all-reduces ms → lanes / busy launch ms",
                 "in a sequence, per call +ms; the model's own",
-                "forward / backward / optimizer ms",
+                "forward / backward / optimizer ms; buffers' broadcast",
                 "slowdown of compute / of communication; with small all-reduces; the model's own",
                 "copy ms/MiB, 4 MiB in cache; the model's own",
                 "load",
