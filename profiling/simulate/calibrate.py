@@ -533,10 +533,10 @@ def worker(settings: dict) -> None:
     from ddp.heap import steady_heap
     from profiling.collectives.worker import sweep
 
+    steady_heap()  # the heap as the benchmark's ranks hold it (`ddp.heap`)
     # The stages' setup and teardown: torch._dynamo imported before the group exists (the
     # optimizer's step would import it after, and keep the group alive into interpreter
     # shutdown, where Gloo's threads can abort the process).
-    steady_heap()  # the heap as the benchmark's ranks hold it (`ddp.heap`)
     setup_process_group("gloo")
     try:
         rank = dist.get_rank()
