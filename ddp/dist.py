@@ -179,7 +179,7 @@ def slowest_seconds(op: Callable[[], object], repeats: int) -> list[float]:
         start = time.perf_counter()
         op()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=_collective_device(None))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
@@ -202,7 +202,9 @@ def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | Non
     return bool(mismatches.item() == 0)
 
 
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor for a collective on `group` (None: the default group) must live:
+    NCCL sends CUDA tensors only."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -100,7 +100,7 @@ class AutoBucketDDP(JoinDDP):
 
     def _choose_bucket_cap(self) -> None:
         n = len(self.named_trainable)
-        measured = torch.zeros(n + 2, dtype=torch.float64)
+        measured = torch.zeros(n + 2, dtype=torch.float64, device=self._collective_device)
         for k, seconds in self._ready_s.items():
             measured[k] = seconds
         measured[n], measured[n + 1] = self._time_allreduce()
@@ -149,7 +149,9 @@ class AutoBucketDDP(JoinDDP):
     def _decide(self) -> None:
         # The slowest rank's median per layout, so that every rank decides alike.
         medians = torch.tensor(
-            [statistics.median(s) for s in self._trial_seconds], dtype=torch.float64
+            [statistics.median(s) for s in self._trial_seconds],
+            dtype=torch.float64,
+            device=self._collective_device,
         )
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
         best = int(torch.argmin(medians).item())

@@ -66,7 +66,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self._status_device
+        return self._collective_device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -84,7 +84,8 @@ class JoinDDP(RoundRobinDDP, Joinable):
             self._ranks_in = int(still_in.result()[0].item())
         if joining:  # tells the ranks that have left whether this backward synchronises
             syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
-            dist.all_reduce(torch.tensor([float(syncs)]), group=self.process_group)
+            flag = torch.tensor([float(syncs)], device=self._collective_device)
+            dist.all_reduce(flag, group=self.process_group)
         return super().forward(*inputs, **kwargs)
 
     def _grad_divisor(self) -> int:
@@ -99,7 +100,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
 
     def _common_rank(self, candidate: bool) -> int:
         """The highest group rank among the candidates, agreed by all ranks."""
-        rank = torch.tensor([self.rank if candidate else -1])
+        rank = torch.tensor([self.rank if candidate else -1], device=self._collective_device)
         dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(rank.item())
 
@@ -109,7 +110,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
     def _shadow_step(self) -> None:
         """One step of the others, from a rank that has left: the same collectives, in
         the same order, through the same methods that issue them in a real step."""
-        syncs = torch.zeros(1)
+        syncs = torch.zeros(1, device=self._collective_device)
         dist.all_reduce(syncs, group=self.process_group)  # matches forward's flag
         syncs = bool(syncs.item())
         if syncs:

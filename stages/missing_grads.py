@@ -53,7 +53,11 @@ class MissingGradsDDP(SkipSyncDDP):
         return [slots[id(p)] for _, p in self.named_trainable]
 
     @property
-    def _status_device(self) -> torch.device:
+    def _collective_device(self) -> torch.device:
+        """Where the small tensors of this model's own collectives (status rows, flags,
+        orders) live: the buckets' device, which the group's backend sends. NCCL sends
+        CUDA tensors only, and refuses a CPU one ("No backend type associated with
+        device type cpu")."""
         return self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
 
     # --8<-- [end:construction]
@@ -90,7 +94,7 @@ class MissingGradsDDP(SkipSyncDDP):
         """Every rank's row, {column: (W, width)}, from this rank's; one all-reduce."""
         widths = [row[column].numel() for column in self.status_columns]
         status = torch.zeros(
-            self.world_size, sum(widths), dtype=torch.int32, device=self._status_device
+            self.world_size, sum(widths), dtype=torch.int32, device=self._collective_device
         )
         status[self.rank] = torch.cat([row[c].reshape(-1) for c in self.status_columns])
         dist.all_reduce(status, group=self.process_group)

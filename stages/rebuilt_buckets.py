@@ -76,7 +76,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
         the ones it lacks follow in position order); every rank must call this together."""
         seen = dict.fromkeys(ready_order)  # in order, once each
         order = [*seen, *(k for k in range(len(self.named_trainable)) if k not in seen)]
-        order_t = torch.tensor(order, dtype=torch.int64)
+        order_t = torch.tensor(order, dtype=torch.int64, device=self._collective_device)
         dist.broadcast(order_t, group=self.process_group, group_src=0)  # rank 0's order
         old_views = {id(p): p.grad for _, p in self.named_trainable}
         for handle in self._hook_handles:
