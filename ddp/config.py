@@ -69,6 +69,12 @@ class Config:
     checkpoint_every: int = option(
         50, "optimizer steps (warm-up steps included) between checkpoints; one at the end too"
     )
+    deterministic: bool = option(
+        False,
+        "torch's deterministic algorithms (torch.use_deterministic_algorithms): on a GPU, "
+        "what makes two runs, or a run and its resume, end with bit-identical parameters; "
+        "cuDNN's fastest convolution kernels sum in a different order each run",
+    )
     timeout: float = option(
         300.0,
         "seconds a rank waits for one that stopped answering before the run fails, naming it "
@@ -186,6 +192,7 @@ def add_options(
             text = f"does not apply: {not_applicable[f.name]}"
             kwargs["default"] = argparse.SUPPRESS
         elif isinstance(f.default, bool):
+            text += f" (default: {'on' if default else 'off'})"
             kwargs = {"action": "store_true"}
         else:
             text += f" (default: {'off' if default == '' else default})"

@@ -9,7 +9,7 @@ from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
 from ddp.heap import steady_heap
 from ddp.progress import Progress
-from ddp.train import print_table, train
+from ddp.train import print_table, set_determinism, train
 from stages import standard_runs
 
 
@@ -17,6 +17,7 @@ def main() -> None:
     cfg = parse_config(module="stages", description=__doc__)
     steady_heap()  # each run's steps cost the same whatever the run before it freed
     device = setup_process_group(cfg.backend, cfg.timeout)
+    set_determinism(cfg, device)
     runs = standard_runs()
     try:
         progress = Progress(runs=len(runs), work=len(runs) * (cfg.warmup_steps + cfg.steps))

@@ -39,7 +39,7 @@ def help_entries(text: str) -> dict[str, str]:
 
 
 def shown_default(value: object) -> str:
-    return "off" if value == "" else str(value)
+    return "off" if value == "" or value is False else str(value)
 
 
 def stage_help(stage: str, capsys) -> str:

@@ -91,6 +91,7 @@ CONFIG_DEFAULTS = {"steps": 5}
 NOT_APPLICABLE = {
     "profile_dir": "tracing would time itself; profile with -m stages.<name>",
     "profile_steps": "nothing is traced here",
+    "deterministic": "the benchmark times the kernels a run picks by default",
 }
 
 
