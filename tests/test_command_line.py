@@ -292,6 +292,7 @@ RESULTS_READERS = {
     "simulate gantt": (_simulate_main, ["gantt", "--calibration", "{path}"]),
     "simulate buckets": (_simulate_main, ["buckets", "--calibration", "{path}"]),
     "simulate repeat --render": (_simulate_main, ["repeat", "--render", "{path}"]),
+    "simulate paper --shape": (_simulate_main, ["paper", "--no-files", "--shape", "{path}"]),
 }
 
 

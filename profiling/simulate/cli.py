@@ -6,6 +6,7 @@ python -m profiling.simulate scale                 efficiency from 8 to 256 GPUs
 python -m profiling.simulate paper                 the papers' figures against the model
 python -m profiling.simulate buckets               where torch's default layout loses most
 python -m profiling.simulate repeat                one validate run's measurement against another's
+python -m profiling.simulate shape                 when each gradient is ready, on a GPU
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ COMMANDS = {
     "paper": "profiling.simulate.paper",
     "buckets": "profiling.simulate.buckets",
     "repeat": "profiling.simulate.repeat",
+    "shape": "profiling.simulate.shape",
 }
 
 

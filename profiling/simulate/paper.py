@@ -19,7 +19,10 @@ Writes docs/results/paper.json, one Markdown fragment per comparison
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
+
+from profiling.simulate.shape import Shape
 
 GPUS = [8, 16, 32, 64, 128, 256]
 BUCKET_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]  # Li et al.'s sweep went 0 to 200 MB
@@ -37,20 +40,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.add_argument("--out", default="docs", help="folder with results/ and images/")
     parser.add_argument("--no-files", action="store_true", help="print only")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        metavar="JSON",
+        help="a backward measured on a GPU (`shape --json`); repeat for each model and "
+        "batch: the comparisons are made again with the measured split beside the assumed",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from profiling import report
+    from profiling.simulate import shape
 
     result = compare()
+    if args.shape:
+        result["measured_shape"] = with_shapes([shape.load(path) for path in args.shape])
     result["command"] = report.command_line("profiling.simulate")
     fragments = markdown(result)
     print(fragments["summary"])
     if args.no_files:
         return
     results, images = Path(args.out, "results"), Path(args.out, "images")
+    results.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
     report.write_json(results / "paper.json", result)
     for name, text in fragments.items():
         (results / f"paper-{name}.md").write_text(text)
@@ -62,13 +77,19 @@ def run(args: argparse.Namespace) -> None:
 # The comparisons.
 
 
-def compare() -> dict:
+def compare(shapes: Sequence[Shape] = ()) -> dict:
+    """Every comparison; a preset whose model and batch one of `shapes` measured is
+    split as measured (`presets.workload_from`), the others as assumed."""
     from profiling.simulate import presets
 
     li = presets.NETWORKS["li2020"]
     goyal = presets.NETWORKS["goyal2017"]
-    models = {m: presets.workload(m, li.gpu) for m in ("resnet50", "bert_large")}
-    resnet_p100 = presets.workload("resnet50", goyal.gpu)
+
+    def workload(model: str, gpu: str):
+        return presets.workload(model, gpu, _shape_for(shapes, model, gpu))
+
+    models = {m: workload(m, li.gpu) for m in ("resnet50", "bert_large")}
+    resnet_p100 = workload("resnet50", goyal.gpu)
     return {
         "li_scaling": li_scaling(models, li.topology),
         "li_overlap": li_overlap(models, li.topology),
@@ -81,6 +102,56 @@ def compare() -> dict:
             **{f"{m} on {g}": c.source for (m, g), c in presets.COMPUTE.items()},
         },
     }
+
+
+def _shape_for(shapes: Sequence[Shape], model: str, gpu: str) -> Shape | None:
+    """The measurement of `model` at the batch of its preset on `gpu`, if any."""
+    from profiling.simulate import presets
+
+    batch = presets.COMPUTE[model, gpu].batch
+    return next((s for s in shapes if s.model == model and s.batch == batch), None)
+
+
+# Which presets each summary row's model comes from (row order of `summary_rows`); the
+# last row, halving-doubling against the ring, sums all-reduces and uses no ready time.
+ROW_PRESETS = [("resnet50", "V100"), ("bert_large", "V100")] * 3 + [("resnet50", "P100")]
+
+
+def with_shapes(shapes: Sequence[Shape]) -> dict:
+    """The comparisons made again with measured shapes, and how each measurement differs
+    from the assumed split: forward's share, and each gradient's ready time as a
+    fraction of backward against the FLOP count's."""
+    from profiling.simulate import presets
+
+    measured = []
+    for shape in shapes:
+        gpus = [
+            g
+            for (m, g), c in presets.COMPUTE.items()
+            if m == shape.model and c.batch == shape.batch
+        ]  # noqa: E501
+        if not gpus:
+            known = ", ".join(f"{m} at batch {c.batch}" for (m, _), c in presets.COMPUTE.items())
+            raise SystemExit(
+                f"--shape: {shape.model} at batch {shape.batch} matches no preset ({known})"
+            )
+        assumed = presets.workload(shape.model, gpus[0])
+        gaps = sorted(
+            abs(shape.ready_fraction(g.name) - g.ready_s / assumed.backward_s)
+            for g in assumed.grads
+        )
+        measured.append(
+            {
+                "model": shape.model,
+                "batch": shape.batch,
+                "device": shape.device,
+                "step_s": shape.forward_s + shape.backward_s + shape.optimizer_s,
+                "forward_fraction": shape.forward_fraction,
+                "ready_gap_median": gaps[len(gaps) // 2],
+                "ready_gap_max": gaps[-1],
+            }
+        )
+    return {"shapes": measured, "comparison": compare(shapes)}
 
 
 def li_scaling(models: dict, topo) -> dict:
@@ -250,80 +321,15 @@ def markdown(result: dict) -> dict[str, str]:
 
     made = produced_by([result["command"]]) + "\n\n"
     frag = {}
-    ls, lo, lb = result["li_scaling"], result["li_overlap"], result["li_buckets"]
-    ge, gh = result["goyal_efficiency"], result["goyal_halving_doubling"]
-    e256 = {k: v[-1]["efficiency"] for k, v in ls.items()}
-    hd = ge["hierarchical_halving_doubling"]["per parameter"][-1]["efficiency"]
-    per_grad = gh["resnet50_per_gradient"]
-    four_mib = next(s for s in gh["sizes"] if s["bytes"] == 4 * 2**20)
-
-    def best(name: str, p: int) -> str:
-        mine = [r for r in lb[name]["curve"] if r["gpus"] == p]
-        b = min(mine, key=lambda r: r["step_s"])
-        return _layout(b["layout"])
-
-    rows = [
-        [
-            "Li et al.: ResNet-50, 8 → 256 GPUs",
-            "near-linear",
-            f"E(256) = {e256['resnet50 ring']:.3f}",
-            "NCCL ring, 25 MB buckets, batch 112",
-        ],
-        [
-            "Li et al.: BERT-large, 8 → 256 GPUs",
-            "near-linear",
-            f"E(256) = {e256['bert_large ring']:.3f}",
-            "NCCL ring, 25 MB buckets, batch 8",
-        ],
-        [
-            "Li et al.: overlap speed-up, ResNet-50",
-            "38%",
-            f"{lo['resnet50']['speedup']:.1%}",
-            f"{OVERLAP_GPUS} GPUs, after backward vs during",
-        ],
-        [
-            "Li et al.: overlap speed-up, BERT",
-            "35%",
-            f"{lo['bert_large']['speedup']:.1%}",
-            f"{OVERLAP_GPUS} GPUs, after backward vs during",
-        ],
-        [
-            "Li et al.: bucket size, ResNet-50",
-            "U, 25 MB near the bottom",
-            "; ".join(
-                f"{p} GPUs: best {best('resnet50', p)}, "
-                f"{'U' if lb['resnet50']['u_shaped'][str(p)] else 'no U'}"
-                for p in BUCKET_GPUS
-            ),
-            "NCCL ring",
-        ],
-        [
-            "Li et al.: bucket size, BERT",
-            "U, 25 MB near the bottom",
-            "; ".join(
-                f"{p} GPUs: best {best('bert_large', p)}, "
-                f"{'U' if lb['bert_large']['u_shaped'][str(p)] else 'no U'}"
-                for p in BUCKET_GPUS
-            ),
-            "NCCL ring",
-        ],
-        [
-            "Goyal et al.: efficiency 8 → 256 GPUs",
-            "E(256) ≈ 0.9",
-            f"E(256) = {hd:.3f}",
-            "hierarchical, halving-doubling between servers, one all-reduce per gradient",
-        ],
-        [
-            "Goyal et al.: halving-doubling vs ring, 32 servers",
-            "3×",
-            f"{per_grad['ring_s'] / per_grad['halving_doubling_s']:.2f}× (ResNet-50's gradients); "
-            f"{four_mib['ring_s'] / four_mib['halving_doubling_s']:.2f}× (one 4 MiB buffer)",
-            f"{gh['inter_latency_s'] * 1e6:g} us per step",
-        ],
-    ]
+    rows = summary_rows(result)
     frag["summary"] = (
         made + markdown_table(["figure", "paper", "model", "setting"], rows, left=4) + "\n"
     )
+    if "measured_shape" in result:
+        frag["shape"] = made + shape_markdown(rows, result["measured_shape"])
+    ls, lo, lb = result["li_scaling"], result["li_overlap"], result["li_buckets"]
+    ge, gh = result["goyal_efficiency"], result["goyal_halving_doubling"]
+    per_grad = gh["resnet50_per_gradient"]
 
     body = []
     for i, p in enumerate(GPUS):
@@ -444,6 +450,120 @@ def markdown(result: dict) -> dict[str, str]:
         )
     )
     return frag
+
+
+def summary_rows(result: dict) -> list[list[str]]:
+    """One row per paper figure: figure, paper, model, setting."""
+    ls, lo, lb = result["li_scaling"], result["li_overlap"], result["li_buckets"]
+    ge, gh = result["goyal_efficiency"], result["goyal_halving_doubling"]
+    e256 = {k: v[-1]["efficiency"] for k, v in ls.items()}
+    hd = ge["hierarchical_halving_doubling"]["per parameter"][-1]["efficiency"]
+    per_grad = gh["resnet50_per_gradient"]
+    four_mib = next(s for s in gh["sizes"] if s["bytes"] == 4 * 2**20)
+
+    def best(name: str, p: int) -> str:
+        mine = [r for r in lb[name]["curve"] if r["gpus"] == p]
+        b = min(mine, key=lambda r: r["step_s"])
+        return _layout(b["layout"])
+
+    return [
+        [
+            "Li et al.: ResNet-50, 8 → 256 GPUs",
+            "near-linear",
+            f"E(256) = {e256['resnet50 ring']:.3f}",
+            "NCCL ring, 25 MB buckets, batch 112",
+        ],
+        [
+            "Li et al.: BERT-large, 8 → 256 GPUs",
+            "near-linear",
+            f"E(256) = {e256['bert_large ring']:.3f}",
+            "NCCL ring, 25 MB buckets, batch 8",
+        ],
+        [
+            "Li et al.: overlap speed-up, ResNet-50",
+            "38%",
+            f"{lo['resnet50']['speedup']:.1%}",
+            f"{OVERLAP_GPUS} GPUs, after backward vs during",
+        ],
+        [
+            "Li et al.: overlap speed-up, BERT",
+            "35%",
+            f"{lo['bert_large']['speedup']:.1%}",
+            f"{OVERLAP_GPUS} GPUs, after backward vs during",
+        ],
+        [
+            "Li et al.: bucket size, ResNet-50",
+            "U, 25 MB near the bottom",
+            "; ".join(
+                f"{p} GPUs: best {best('resnet50', p)}, "
+                f"{'U' if lb['resnet50']['u_shaped'][str(p)] else 'no U'}"
+                for p in BUCKET_GPUS
+            ),
+            "NCCL ring",
+        ],
+        [
+            "Li et al.: bucket size, BERT",
+            "U, 25 MB near the bottom",
+            "; ".join(
+                f"{p} GPUs: best {best('bert_large', p)}, "
+                f"{'U' if lb['bert_large']['u_shaped'][str(p)] else 'no U'}"
+                for p in BUCKET_GPUS
+            ),
+            "NCCL ring",
+        ],
+        [
+            "Goyal et al.: efficiency 8 → 256 GPUs",
+            "E(256) ≈ 0.9",
+            f"E(256) = {hd:.3f}",
+            "hierarchical, halving-doubling between servers, one all-reduce per gradient",
+        ],
+        [
+            "Goyal et al.: halving-doubling vs ring, 32 servers",
+            "3×",
+            f"{per_grad['ring_s'] / per_grad['halving_doubling_s']:.2f}× (ResNet-50's gradients); "
+            f"{four_mib['ring_s'] / four_mib['halving_doubling_s']:.2f}× (one 4 MiB buffer)",
+            f"{gh['inter_latency_s'] * 1e6:g} us per step",
+        ],
+    ]
+
+
+def shape_markdown(rows: list[list[str]], measured: dict) -> str:
+    """The measured shapes, then the summary rows they change: assumed split beside
+    measured."""
+    from profiling.report import markdown_table
+
+    shapes = measured["shapes"]
+    body = [
+        [
+            s["model"],
+            str(s["batch"]),
+            f"{s['step_s'] * 1e3:.1f}",
+            f"{s['forward_fraction']:.1%}",
+            f"{s['ready_gap_median']:.1%}",
+            f"{s['ready_gap_max']:.1%}",
+        ]
+        for s in shapes
+    ]
+    header = [
+        "model",
+        "batch",
+        "measured step ms",
+        "forward's share (assumed 33.3%)",
+        "ready time vs FLOPs, median gap",
+        "largest gap",
+    ]
+    out = markdown_table(header, body) + "\n\n"
+    have = {(s["model"], s["batch"]) for s in shapes}
+    from profiling.simulate import presets
+
+    again = summary_rows(measured["comparison"])
+    body = [
+        [row[0], row[1], row[2], new[2]]
+        for row, new, (model, gpu) in zip(rows[:-1], again[:-1], ROW_PRESETS, strict=True)
+        if (model, presets.COMPUTE[model, gpu].batch) in have
+    ]
+    header = ["figure", "paper", "model, split assumed", "model, split measured"]
+    return out + markdown_table(header, body, left=4) + "\n"
 
 
 def _layout(label: str) -> str:

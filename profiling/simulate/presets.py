@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from profiling.simulate.schedule import Grad, Workload
+from profiling.simulate.shape import Shape
 from profiling.simulate.topology import GB, GBIT, Topology
 
 FLOAT32_BYTES = 4  # both papers' gradients: float32 (DDP all-reduces the .grad dtype)
@@ -49,8 +50,8 @@ class Layer:
 # (torchvision's model table counts multiply-adds, as "GFLOPS").
 
 
-def resnet50():
-    """torchvision.models.resnet50(), untrained, built on the meta device: shapes only."""
+def resnet50(device: str = "meta"):
+    """torchvision.models.resnet50(), untrained, built on `device` (meta: shapes only)."""
     import torch
     from torch import nn
 
@@ -102,7 +103,7 @@ def resnet50():
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
             return self.fc(torch.flatten(self.avgpool(x), 1))
 
-    with torch.device("meta"):
+    with torch.device(device):
         return ResNet50()
 
 
@@ -201,6 +202,90 @@ def bert_large_layers(cfg: BertConfig = BertConfig()) -> tuple[Layer, ...]:
     return tuple(layers)
 
 
+def bert_large(cfg: BertConfig = BertConfig(), device: str = "meta"):
+    """BERT-large for pre-training as a module, untrained, on `device`: the layers above
+    with Hugging Face's `BertForPreTraining` parameter names, for timing its backward
+    (`profiling.simulate.shape`). Dropout 0.1 and GELU as the released configuration;
+    attention by `F.scaled_dot_product_attention`, no padding mask."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    h, drop = cfg.hidden, 0.1
+
+    def block(**modules: nn.Module) -> nn.Module:  # a module that only names its children
+        named = nn.Module()
+        for name, module in modules.items():
+            named.add_module(name, module)
+        return named
+
+    def dense_norm(d_in: int) -> nn.Module:  # a dense layer, LayerNorm of the residual sum
+        return block(dense=nn.Linear(d_in, h), LayerNorm=nn.LayerNorm(h))
+
+    class Bert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = block(
+                embeddings=block(
+                    word_embeddings=nn.Embedding(cfg.vocab, h),
+                    position_embeddings=nn.Embedding(cfg.positions, h),
+                    token_type_embeddings=nn.Embedding(cfg.token_types, h),
+                    LayerNorm=nn.LayerNorm(h),
+                ),
+                encoder=block(layer=nn.ModuleList(encoder_layer() for _ in range(cfg.layers))),
+                pooler=block(dense=nn.Linear(h, h)),
+            )
+            self.cls = block(
+                predictions=block(
+                    transform=block(dense=nn.Linear(h, h), LayerNorm=nn.LayerNorm(h))
+                ),
+                seq_relationship=nn.Linear(h, 2),
+            )
+            # The decoder's weight is the word embedding's (tied); its bias is its own.
+            self.cls.predictions.bias = nn.Parameter(torch.zeros(cfg.vocab))
+
+        def forward(self, ids: torch.Tensor, types: torch.Tensor):
+            e = self.bert.embeddings
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            x = e.word_embeddings(ids) + e.position_embeddings(positions)
+            x = F.dropout(e.LayerNorm(x + e.token_type_embeddings(types)), drop, self.training)
+            for layer in self.bert.encoder.layer:
+                x = run_layer(layer, x)
+            pooled = torch.tanh(self.bert.pooler.dense(x[:, 0]))
+            t = self.cls.predictions.transform
+            x = t.LayerNorm(F.gelu(t.dense(x)))
+            scores = x @ e.word_embeddings.weight.t() + self.cls.predictions.bias
+            return scores, self.cls.seq_relationship(pooled)
+
+    def encoder_layer() -> nn.Module:
+        return block(
+            attention=block(
+                self=block(query=nn.Linear(h, h), key=nn.Linear(h, h), value=nn.Linear(h, h)),
+                output=dense_norm(h),
+            ),
+            intermediate=block(dense=nn.Linear(h, cfg.ffn)),
+            output=dense_norm(cfg.ffn),
+        )
+
+    def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        a = layer.attention
+        b, s = x.shape[:2]
+
+        def heads(linear: nn.Module) -> torch.Tensor:
+            return linear(x).view(b, s, cfg.heads, h // cfg.heads).transpose(1, 2)
+
+        q, k, v = heads(a.self.query), heads(a.self.key), heads(a.self.value)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=drop if a.training else 0.0)
+        attended = attended.transpose(1, 2).reshape(b, s, h)
+        out = a.output.dense(attended)
+        x = a.output.LayerNorm(x + F.dropout(out, drop, a.training))
+        out = layer.output.dense(F.gelu(layer.intermediate.dense(x)))
+        return layer.output.LayerNorm(x + F.dropout(out, drop, layer.training))
+
+    with torch.device(device):
+        return Bert()
+
+
 def parameter_count(layers: Sequence[Layer]) -> int:
     return sum(n for layer in layers for _, n in layer.params)
 
@@ -265,22 +350,42 @@ COMPUTE = {
 }  # fmt: skip
 
 
-def workload(model: str, gpu: str) -> Workload:
-    """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it."""
+def workload(model: str, gpu: str, shape: Shape | None = None) -> Workload:
+    """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it; with a
+    `shape`, the split measured on a GPU (`workload_from`)."""
     if model not in MODELS:
         raise ValueError(f"no model preset {model!r}; pick one of {', '.join(MODELS)}")
     if (model, gpu) not in COMPUTE:
         known = ", ".join(f"{m} on {g}" for m, g in COMPUTE)
         raise ValueError(f"no published iteration time for {model} on {gpu}; known: {known}")
-    return workload_from(MODELS[model](), COMPUTE[model, gpu])
+    if shape is not None and shape.model != model:
+        raise ValueError(f"a shape measured on {shape.model} cannot split {model}'s iteration")
+    return workload_from(MODELS[model](), COMPUTE[model, gpu], shape)
 
 
-def workload_from(layers: Sequence[Layer], compute: Compute) -> Workload:
+def workload_from(
+    layers: Sequence[Layer], compute: Compute, shape: Shape | None = None
+) -> Workload:
     """The split described at the top: optimizer by bytes, forward and backward 1 : 2,
-    each gradient ready when backward is done with its layer."""
+    each gradient ready when backward is done with its layer. With a `shape` measured
+    on a GPU (`profiling.simulate.shape`), forward and backward split as measured, and
+    each gradient is ready at its measured fraction of backward."""
     params = parameter_count(layers)
     optimizer_s = params * compute.optimizer_bytes_per_param / MEMORY_BYTES_PER_S[compute.gpu]
     rest = compute.iteration_s - optimizer_s
+    if shape is not None:
+        names = {name for layer in layers for name, _ in layer.params}
+        if set(shape.ready_s) != names:
+            unknown = sorted(set(shape.ready_s) ^ names)[:3]
+            raise ValueError(f"the shape's parameters are not the model's: {unknown} differ")
+        forward_s = rest * shape.forward_fraction
+        backward_s = rest - forward_s
+        grads = tuple(
+            Grad(name, n * FLOAT32_BYTES, backward_s * shape.ready_fraction(name))
+            for layer in layers
+            for name, n in layer.params
+        )
+        return Workload(grads, forward_s, backward_s, optimizer_s)
     forward_s, backward_s = rest / 3, 2 * rest / 3
     total = sum(layer.flops for layer in layers)
     ready: dict[str, float] = {}
