@@ -37,7 +37,6 @@ all-reduces once; the first steps run with the default cap, and up to
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ from torch import nn
 
 from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut
 from ddp.buckets import Bucket, Members, plan_buckets
+from ddp.clock import DeviceClock, Mark
 from stages.join import JoinDDP
 
 CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6: one bucket
@@ -72,8 +72,9 @@ class AutoBucketDDP(JoinDDP):
             )
         super().__init__(module, bucket_cap_mb=DEFAULT_CAP_MB if auto else bucket_cap_mb, **options)
         self.auto_bucket = auto
-        self._ready_s: dict[int, float] = {}  # status row position -> seconds since first ready
-        self._first_ready_s = 0.0  # perf_counter() at the first gradient of that backward
+        # status row position -> when its gradient was ready (a DeviceClock mark: on a
+        # GPU, when the GPU finished it, not when the CPU queued it)
+        self._ready_marks: dict[int, Mark] = {}
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
         self._cut_sizes: list[int] | None = None  # the model's buckets, in parameters
         self._order: list[int] = []  # the replayed ready order, the same on every rank
@@ -100,10 +101,13 @@ class AutoBucketDDP(JoinDDP):
 
     def _choose_bucket_cap(self) -> None:
         n = len(self.named_trainable)
-        measured = torch.zeros(n + 2, dtype=torch.float64, device=self._collective_device)
-        for k, seconds in self._ready_s.items():
-            measured[k] = seconds
+        measured = torch.zeros(n + 2, dtype=torch.float64)
+        clock = self._clock
+        clock.wait()
+        for k, mark in self._ready_marks.items():  # seconds since the first gradient
+            measured[k] = clock.seconds(self._first_ready, mark)
         measured[n], measured[n + 1] = self._time_allreduce()
+        measured = measured.to(self._collective_device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
         ready_s, (latency_s, s_per_byte) = measured[:n].tolist(), measured[n:].tolist()
         order = sorted(range(n), key=lambda k: ready_s[k])
@@ -144,7 +148,11 @@ class AutoBucketDDP(JoinDDP):
 
     def _trial_clock(self) -> float:
         """Seconds, for timing trial steps (a test replaces it to make one layout fast)."""
-        return time.perf_counter()
+        return self._clock.now()
+
+    @property
+    def _clock(self) -> DeviceClock:
+        return DeviceClock(self._collective_device)
 
     def _decide(self) -> None:
         # The slowest rank's median per layout, so that every rank decides alike.
@@ -183,16 +191,16 @@ class AutoBucketDDP(JoinDDP):
 
     def _time_allreduce(self) -> tuple[float, float]:
         """(fixed seconds per all-reduce, seconds per byte), from this rank's view."""
-        device = self.buckets[0].buffer.device
+        device = self._collective_device
         total = sum(b.buffer.numel() for b in self.buckets)
         small, large = torch.zeros(1, device=device), torch.zeros(min(total, 2**21), device=device)
 
         def seconds(t: torch.Tensor, repeats: int) -> float:
             times = []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = self._clock.now()
                 dist.all_reduce(t, group=self.process_group)
-                times.append(time.perf_counter() - start)
+                times.append(self._clock.now() - start)  # on a GPU: once it has run
             return statistics.median(times)
 
         seconds(small, 1)  # warm the connection
@@ -205,10 +213,10 @@ class AutoBucketDDP(JoinDDP):
     # --8<-- [start:backward]
     def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         if self.auto_bucket and self._synced_backwards == 1:  # the second: warmed up
-            now = time.perf_counter()
-            if not self._ready_s:
-                self._first_ready_s = now
-            self._ready_s[self._position[id(bucket.params[i])]] = now - self._first_ready_s
+            mark = self._clock.mark()
+            if not self._ready_marks:
+                self._first_ready = mark
+            self._ready_marks[self._position[id(bucket.params[i])]] = mark
         super()._mark_ready(bucket, i, grad)
 
     # --8<-- [end:backward]

@@ -11,7 +11,7 @@ from profiling.simulate import paper, presets, shape
 
 TINY_BERT = presets.BertConfig(
     layers=2, hidden=32, heads=4, ffn=64, vocab=50, positions=16, seq_len=8
-)  # noqa: E501
+)
 
 
 def test_bert_module_holds_the_layer_lists_parameters_by_name_and_size():
@@ -21,7 +21,7 @@ def test_bert_module_holds_the_layer_lists_parameters_by_name_and_size():
     tiny = [(n, p.numel()) for n, p in presets.bert_large(TINY_BERT).named_parameters()]
     assert sorted(tiny) == sorted(
         p for layer in presets.bert_large_layers(TINY_BERT) for p in layer.params
-    )  # noqa: E501
+    )
 
 
 def test_bert_shape_on_the_cpu_has_every_gradient_in_backward_order():
@@ -36,7 +36,7 @@ def test_bert_shape_on_the_cpu_has_every_gradient_in_backward_order():
     assert (
         s.ready_s["cls.seq_relationship.weight"]
         < s.ready_s["bert.encoder.layer.0.output.dense.weight"]
-    )  # noqa: E501
+    )
 
 
 def test_resnet_shape_on_the_cpu_is_ready_from_the_head_back():
@@ -67,7 +67,7 @@ def test_a_shape_that_says_what_the_assumption_says_changes_nothing():
         assert again.forward_s == pytest.approx(assumed.forward_s)
         assert again.optimizer_s == assumed.optimizer_s
         assert [g.name for g in again.grads] == [g.name for g in assumed.grads]
-        assert [g.ready_s for g in again.grads] == pytest.approx([g.ready_s for g in assumed.grads])  # noqa: E501
+        assert [g.ready_s for g in again.grads] == pytest.approx([g.ready_s for g in assumed.grads])
 
 
 def test_a_measured_split_by_hand():
@@ -91,7 +91,7 @@ def test_a_measured_split_by_hand():
         ("a.weight", 8),
         ("b.weight", 12),
         ("b.bias", 4),
-    ]  # noqa: E501
+    ]
     assert [g.ready_s for g in w.grads] == pytest.approx(
         [w.backward_s * 1.0, w.backward_s * 0.25, w.backward_s * 0.1]
     )
@@ -116,7 +116,7 @@ def test_paper_comparisons_move_with_the_measured_ready_times():
     assert len(rows) == 7 and all(row[2] == row[3] for row in rows)  # nothing moved
     # Every BERT gradient ready only at backward's end: nothing left to overlap.
     bert = assumed_as_shape("bert_large", "V100")
-    late = shape.Shape(**{**bert.__dict__, "ready_s": dict.fromkeys(bert.ready_s, bert.backward_s)})  # noqa: E501
+    late = shape.Shape(**{**bert.__dict__, "ready_s": dict.fromkeys(bert.ready_s, bert.backward_s)})
     moved = paper.with_shapes([late])
     overlap = moved["comparison"]["li_overlap"]["bert_large"]
     assert overlap["speedup"] == pytest.approx(0.0, abs=1e-9)

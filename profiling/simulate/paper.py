@@ -19,6 +19,7 @@ Writes docs/results/paper.json, one Markdown fragment per comparison
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -55,9 +56,10 @@ def run(args: argparse.Namespace) -> None:
     from profiling import report
     from profiling.simulate import shape
 
+    shapes = [shape.load(path) for path in args.shape or []]  # a bad file: before any work
     result = compare()
-    if args.shape:
-        result["measured_shape"] = with_shapes([shape.load(path) for path in args.shape])
+    if shapes:
+        result["measured_shape"] = with_shapes(shapes)
     result["command"] = report.command_line("profiling.simulate")
     fragments = markdown(result)
     print(fragments["summary"])
@@ -129,17 +131,17 @@ def with_shapes(shapes: Sequence[Shape]) -> dict:
             g
             for (m, g), c in presets.COMPUTE.items()
             if m == shape.model and c.batch == shape.batch
-        ]  # noqa: E501
+        ]
         if not gpus:
             known = ", ".join(f"{m} at batch {c.batch}" for (m, _), c in presets.COMPUTE.items())
             raise SystemExit(
                 f"--shape: {shape.model} at batch {shape.batch} matches no preset ({known})"
             )
         assumed = presets.workload(shape.model, gpus[0])
-        gaps = sorted(
+        gaps = [
             abs(shape.ready_fraction(g.name) - g.ready_s / assumed.backward_s)
             for g in assumed.grads
-        )
+        ]
         measured.append(
             {
                 "model": shape.model,
@@ -147,8 +149,8 @@ def with_shapes(shapes: Sequence[Shape]) -> dict:
                 "device": shape.device,
                 "step_s": shape.forward_s + shape.backward_s + shape.optimizer_s,
                 "forward_fraction": shape.forward_fraction,
-                "ready_gap_median": gaps[len(gaps) // 2],
-                "ready_gap_max": gaps[-1],
+                "ready_gap_median": statistics.median(gaps),
+                "ready_gap_max": max(gaps),
             }
         )
     return {"shapes": measured, "comparison": compare(shapes)}

@@ -1,11 +1,11 @@
 """The backward's shape on a GPU: when each gradient of a preset model becomes ready.
 
     python -m profiling.simulate shape --model resnet50 --batch 112 \\
-        --json docs/results/shape-resnet50.json
+        --json docs/results/shape-resnet50-b112.json
     python -m profiling.simulate shape --model bert_large --batch 8 \\
-        --json docs/results/shape-bert_large.json
-    python -m profiling.simulate paper --shape docs/results/shape-resnet50.json \\
-        --shape docs/results/shape-bert_large.json
+        --json docs/results/shape-bert_large-b8.json
+    python -m profiling.simulate paper --shape docs/results/shape-resnet50-b112.json \\
+        --shape docs/results/shape-bert_large-b8.json
 
 The paper presets (`presets.workload_from`) split one published iteration time by
 assumption: forward a third and backward two thirds of what the optimizer leaves, and
@@ -21,7 +21,9 @@ would shorten the matrix products against everything else), timed with CUDA even
   when the GPU has finished the gradient, not when the CPU queued its kernels;
 - optimizer: SGD with momentum (ResNet-50) or Adam (BERT), as the presets cost them.
 
-Each figure is the median over --repeats steps after --warmup. Without CUDA it runs on
+Each figure is the median over --repeats steps after --warmup. Each step starts on an
+idle GPU (the clock waits for the step before), so forward includes the time the CPU
+takes to launch its first kernels. Without CUDA it runs on
 the CPU with wall clocks, which the tests use on small models; those figures say
 nothing about a GPU. `presets.workload_from(..., shape=...)` then keeps the published
 iteration time and the optimizer's cost, and takes from the measurement the
@@ -116,19 +118,38 @@ def measure(
     """Time `repeats` training steps of a preset model (see the module's docstring)."""
     import torch
 
-    from profiling.simulate import presets
-
     if repeats < 1 or warmup < 0 or batch < 1:
         raise ValueError(
             f"need repeats >= 1, warmup >= 0, batch >= 1; got {repeats}, {warmup}, {batch}"
-        )  # noqa: E501
+        )
     dev = torch.device(device)
+    flags = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True  # as NVIDIA's training scripts run
+    try:
+        return _measure(model_name, batch, dev, repeats, warmup, bert_config, image_size)
+    finally:  # the process's own settings again
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = flags
+
+
+def _measure(model_name, batch, dev, repeats, warmup, bert_config, image_size) -> Shape:
+    import torch
+
+    from ddp.clock import DeviceClock
+    from profiling.simulate import presets
+
     gen = torch.Generator(device="cpu").manual_seed(0)
     if model_name == "resnet50":
-        model = presets.resnet50(device)
+        model = presets.resnet50(str(dev))
         images = torch.randn(batch, 3, image_size, image_size, generator=gen).to(dev)
         labels = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
 
@@ -138,7 +159,7 @@ def measure(
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif model_name == "bert_large":
         cfg = bert_config or presets.BertConfig()
-        model = presets.bert_large(cfg, device)
+        model = presets.bert_large(cfg, str(dev))
         shape = (batch, cfg.seq_len)
         ids = torch.randint(0, cfg.vocab, shape, generator=gen).to(dev)
         types = (torch.arange(cfg.seq_len) >= cfg.seq_len // 2).long().expand(shape).to(dev)
@@ -158,13 +179,13 @@ def measure(
         raise ValueError(f"no model preset {model_name!r}; pick one of {', '.join(presets.MODELS)}")
     model.train()
 
-    clock = _Clock(dev)
+    clock = DeviceClock(dev)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     marks: dict[str, object] = {}
     for name, parameter in named:
         parameter.register_post_accumulate_grad_hook(
             lambda _, name=name: marks.update({name: clock.mark()})
-        )  # noqa: E501
+        )
     steps = []
     for step in range(warmup + repeats):
         marks.clear()
@@ -198,33 +219,6 @@ def measure(
         optimizer_s=statistics.median(s[2] for s in steps),
         ready_s={n: statistics.median(s[3][n] for s in steps) for n, _ in named},
     )
-
-
-class _Clock:
-    """Marks in time: CUDA events on the current stream (what the GPU has finished by
-    then), or wall-clock readings on the CPU."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.device, self.cuda = device, device.type == "cuda"
-        self._torch = torch
-
-    def mark(self):
-        if not self.cuda:
-            import time
-
-            return time.perf_counter()
-        event = self._torch.cuda.Event(enable_timing=True)
-        event.record()  # in a gradient hook: the stream backward computes that gradient on
-        return event
-
-    def wait(self) -> None:
-        if self.cuda:
-            self._torch.cuda.synchronize(self.device)
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
 def shape_to_json(shape: Shape) -> dict:
