@@ -72,8 +72,8 @@ class Config:
     deterministic: bool = option(
         False,
         "torch's deterministic algorithms (torch.use_deterministic_algorithms): on a GPU, "
-        "what makes two runs, or a run and its resume, end with bit-identical parameters; "
-        "cuDNN's fastest convolution kernels sum in a different order each run",
+        "needed for two runs, or a run and its resume, to end with bit-identical "
+        "parameters; some of cuDNN's convolution kernels add in an order that varies",
     )
     timeout: float = option(
         300.0,
@@ -188,12 +188,13 @@ def add_options(
         choices = f.metadata.get("choices")
         metavar = f.metadata.get("metavar") or METAVARS.get(type(f.default), "TEXT")
         kwargs = {"type": type(f.default), "metavar": None if choices else metavar}
+        if isinstance(f.default, bool):  # a switch: given or not
+            kwargs = {"action": "store_true", "default": default}
         if f.name in not_applicable:
             text = f"does not apply: {not_applicable[f.name]}"
             kwargs["default"] = argparse.SUPPRESS
         elif isinstance(f.default, bool):
             text += f" (default: {'on' if default else 'off'})"
-            kwargs = {"action": "store_true"}
         else:
             text += f" (default: {'off' if default == '' else default})"
             kwargs.update(default=default, choices=choices)
@@ -260,4 +261,10 @@ def parse_config(
 
         if not torch.cuda.is_available():
             parser.error("--backend nccl needs CUDA, and torch sees no GPU; use gloo or auto")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local_ranks > torch.cuda.device_count():
+            parser.error(
+                f"--backend nccl needs a GPU per rank: {local_ranks} ranks on this node, "
+                f"{torch.cuda.device_count()} GPUs; run fewer ranks, or use gloo or auto"
+            )
     return cfg

@@ -24,21 +24,30 @@ _shared_groups: dict[object, list[dist.ProcessGroup]] = {}
 def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -> torch.device:
     """Join the process group that torchrun describes in the environment.
 
-    `backend="auto"` picks NCCL with one GPU per LOCAL_RANK when CUDA is there,
-    Gloo on CPU otherwise. `timeout_s`: how long this rank waits for one that does not
-    answer before it fails naming it (ddp.watchdog); None: no watchdog, and torch's
-    default timeout (30 minutes for Gloo). Returns the device this rank computes on."""
+    `backend="auto"` picks NCCL with one GPU per LOCAL_RANK when this node has a GPU
+    for each of its ranks, Gloo on CPU otherwise. `timeout_s`: how long this rank waits
+    for one that does not answer before it fails naming it (ddp.watchdog); None: no
+    watchdog, and torch's default timeout (30 minutes for Gloo). Returns the device this
+    rank computes on."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(
                 f"{var} is not set: launch with torchrun, e.g. "
                 "`torchrun --standalone --nproc-per-node 2 -m stages.naive`"
             )
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if backend == "auto":  # NCCL refuses two ranks on one GPU
+        backend = "nccl" if 0 < local_ranks <= gpus else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend nccl needs CUDA; use --backend gloo on CPU")
+        if int(os.environ["LOCAL_RANK"]) >= gpus:
+            raise RuntimeError(
+                f"rank {os.environ['RANK']}: backend nccl needs a GPU per rank, and LOCAL_RANK "
+                f"{os.environ['LOCAL_RANK']} has none of this node's {gpus}; run at most "
+                f"{gpus} per node (--nproc-per-node), or use --backend gloo"
+            )
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     elif backend == "gloo":
@@ -179,7 +188,7 @@ def slowest_seconds(op: Callable[[], object], repeats: int) -> list[float]:
         start = time.perf_counter()
         op()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64, device=_collective_device(None))
+    slowest = torch.tensor(times, dtype=torch.float64, device=collective_device(None))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
@@ -191,7 +200,7 @@ def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | Non
     sees its own slice of the batch). torch's DDP re-broadcasts rank 0's buffers before
     each forward, but the forward then updates them per worker again."""
     group = require_process_group(process_group)
-    mismatches = torch.zeros(1, device=_collective_device(group))
+    mismatches = torch.zeros(1, device=collective_device(group))
     with torch.no_grad():
         for tensor in module.parameters():
             rank0 = tensor.detach().clone().contiguous()
@@ -202,7 +211,7 @@ def replicas_identical(module: nn.Module, process_group: dist.ProcessGroup | Non
     return bool(mismatches.item() == 0)
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a tensor for a collective on `group` (None: the default group) must live:
     NCCL sends CUDA tensors only."""
     if dist.get_backend(group) == "nccl":

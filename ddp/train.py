@@ -215,8 +215,8 @@ class Tracing:
 def set_determinism(cfg: Config, device: torch.device) -> None:
     """--deterministic: torch's deterministic algorithms, set before the first step. On a
     GPU, without them the CNN's parameters after 20 steps differ from one run to the
-    next (cuDNN picks convolution kernels whose sums run in a different order), so a
-    resumed run cannot match an uninterrupted one bit for bit."""
+    next (some of cuDNN's convolution backward kernels add in an order that varies),
+    so a resumed run cannot match an uninterrupted one bit for bit."""
     if cfg.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, which torch checks for.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.buckets import Bucket
+from ddp.dist import collective_device
 from stages.skip_sync import SkipSyncDDP
 
 Status = dict[str, torch.Tensor]  # column name -> (W, width) for every rank, or (width,)
@@ -58,7 +59,9 @@ class MissingGradsDDP(SkipSyncDDP):
         orders) live: the buckets' device, which the group's backend sends. NCCL sends
         CUDA tensors only, and refuses a CPU one ("No backend type associated with
         device type cpu")."""
-        return self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        if self.buckets:
+            return self.buckets[0].buffer.device
+        return collective_device(self.process_group)  # every parameter frozen: no buckets
 
     # --8<-- [end:construction]
 

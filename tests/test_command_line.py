@@ -118,6 +118,49 @@ def test_naive_refuses_a_bucket_cap(capsys) -> None:
     assert "--bucket-cap-mb does not apply: naive has no buckets" in err
 
 
+def test_a_switch_that_does_not_apply_is_refused_by_name(capsys) -> None:
+    from profiling.bench.options import parse_options
+
+    with pytest.raises(SystemExit) as exit:
+        parse_options(["--deterministic"])
+    assert exit.value.code == 2
+    assert "--deterministic does not apply: the benchmark times" in capsys.readouterr().err
+
+
+def test_nccl_with_more_ranks_than_gpus_is_refused(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--backend", "nccl"], module="stages")
+    assert exit.value.code == 2
+    assert (
+        "--backend nccl needs a GPU per rank: 2 ranks on this node, 1 GPUs"
+        in capsys.readouterr().err
+    )
+
+
+def test_auto_takes_gloo_where_a_node_has_fewer_gpus_than_ranks(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from ddp.dist import setup_process_group, teardown_process_group
+    from profiling.faults import free_port
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    device = setup_process_group("auto")
+    try:
+        assert device == torch.device("cpu") and dist.get_backend() == "gloo"
+    finally:
+        teardown_process_group()
+
+
 def test_without_torchrun_the_parser_says_how_to_launch(monkeypatch, capsys) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit:
