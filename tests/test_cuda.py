@@ -1,20 +1,25 @@
 """The stages on CUDA with NCCL: every stage trains with replicas identical, a killed
-worker resumes bit for bit, and the traces of a GPU run are read back. One rank per GPU
-(NCCL refuses two ranks on one GPU), so on a one-GPU machine the world size is 1. Skipped
-where torch sees no GPU, which includes CI."""
+worker resumes bit for bit, `join()` and bucket_cap_mb="auto" run their own collectives,
+and the traces of a GPU run are read back. Skipped where torch sees no GPU, as in CI.
+
+One rank per GPU (NCCL refuses two ranks on one GPU), so on a one-GPU machine the world
+size is 1, and some checks hold by construction there: one replica is identical to
+itself, the ranks never finish apart under `join()`, and NCCL sends nothing (no kernel
+in the traces). What one GPU does check: that every collective the stages issue is one
+NCCL takes (CUDA tensors), that --deterministic runs, and the resume's digest."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from profiling.faults import free_port
 from stages import STAGES
 from tests.test_torchrun import ROOT, torchrun
 
@@ -26,7 +31,9 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
     "deterministic", [[], ["--deterministic"]], ids=["default", "deterministic"]
 )
 @pytest.mark.parametrize("model", ["mlp", "cnn", "transformer", "frozen"])
-def test_every_stage_trains_on_nccl_with_identical_replicas(model: str, deterministic) -> None:
+def test_every_stage_trains_on_nccl_with_identical_replicas(
+    model: str, deterministic: list[str]
+) -> None:
     out = torchrun(
         GPUS, "-m", "stages", "--backend", "nccl", "--model", model, "--steps", "4", *deterministic
     )
@@ -34,12 +41,6 @@ def test_every_stage_trains_on_nccl_with_identical_replicas(model: str, determin
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
     for name in [*STAGES, "torch_ddp"]:
         assert rows[name][-1] == "True", f"{name}: {rows[name]}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def params_sha256(stdout: str) -> str:
@@ -68,6 +69,12 @@ def test_killed_worker_resumes_bit_for_bit_on_cuda(model: str, tmp_path) -> None
     assert faulted.returncode == 0, faulted.stderr[-3000:]
     assert "resuming from" in faulted.stdout + faulted.stderr
     assert params_sha256(faulted.stdout) == params_sha256(reference.stdout)
+
+
+def test_join_and_auto_buckets_run_their_collectives_on_nccl() -> None:
+    out = torchrun(GPUS, "-m", "tests.cuda_worker", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "; identical True" in out.stdout, out.stdout
 
 
 def test_traces_of_a_gpu_run_are_read_back(tmp_path) -> None:
