@@ -941,3 +941,47 @@ def test_repeat_bad_arguments_name_the_problem(tmp_path, monkeypatch, argv, mess
     argv = [a.replace("{path}", "validate.json") for a in argv]
     with pytest.raises(SystemExit, match=message):
         cli.main(argv)
+
+
+# - refit -----------------------------------------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def test_refit_reproduces_the_kept_calibrations():
+    # The committed validation was fitted by the code as it is: fitted again from its
+    # own measurements, every calibration comes out the same, key for key.
+    from profiling.simulate.calibrate import refit
+
+    data = json.loads((RESULTS / "simulate-validate-amd.json").read_text())
+    for kept in data["calibrations"]:
+        assert refit(kept) == kept
+
+
+def test_refit_predicts_the_kept_runs_with_the_fit_as_it_is_now(monkeypatch, capsys):
+    # A change to the fit (no bytes pass the token bucket for free) reaches every
+    # calibration's fit and every prediction; the measurements stay as they were.
+    import profiling.collectives.model as collective_model
+    from profiling.simulate import cli
+    from profiling.simulate.validate import refitted
+
+    path = RESULTS / "simulate-validate-quick.json"
+    data = json.loads(path.read_text())
+    cli.main(["validate", "--render", str(path), "--refit"])
+    assert capsys.readouterr().out.splitlines()[-1] == summary_line(data["analysis"])
+
+    monkeypatch.setattr(collective_model, "FREE_BYTES_GRID", [0])
+    again = refitted(data)
+    assert [c["fit"]["free_bytes"] for c in again["calibrations"]] == [0]
+    assert again["bench"] == data["bench"]
+    kept = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
+    now = {Run.from_json(p): p["predicted_ms"] for p in again["predictions"]}
+    assert now.keys() == kept.keys()
+    assert sum(now[r] != pytest.approx(kept[r]) for r in kept) > len(kept) // 2
+
+
+def test_refit_needs_render():
+    from profiling.simulate import cli
+
+    with pytest.raises(SystemExit, match="--refit needs --render"):
+        cli.main(["validate", "--refit"])

@@ -475,12 +475,33 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
                 f"(exit {code}); its output is above"
             )
         result = json.loads(out.read_text())
+    return fitted(
+        result,
+        rate,
+        world_size,
+        {key: buffer_bytes(cfg) for key, cfg in configs.items()},
+        load_before=load_before,
+        load_after=load_average(),
+    )
+
+
+def fitted(
+    result: dict,
+    rate: str,
+    world_size: int,
+    buffers: dict[str, list[int]],
+    load_before: float | None = None,
+    load_after: float | None = None,
+) -> dict:
+    """The driver's side of `calibrate`: the workers' measurements `result` with the cost
+    fitted and everything fitted from it (plain data). `refit` runs it again on a kept
+    calibration."""
     sweep = {**result["sweep"], "network": {"rate": rate}}
     fits = fit(medians([sweep]), measure_gamma([sweep]))
     if ALGORITHM not in fits:
         raise SystemExit(f"profiling.simulate: too few sizes to fit {ALGORITHM}: {SWEEP}")
-    fitted = cost_model(fits[ALGORITHM], world_size)  # before any call_s
-    extra_s = call_s(result["sequence"], fitted)
+    sweep_cost = cost_model(fits[ALGORITHM], world_size)  # before any call_s
+    extra_s = call_s(result["sequence"], sweep_cost)
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
     busy_s = busy_launch_s(result["sequence"])
     return {
@@ -492,17 +513,42 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
         "busy_launch_s": busy_s,
         **latency_slowdowns(result["sequence"], cost, busy_s),
         "load_average_before": load_before,
-        "load_average_after": load_average(),
+        "load_average_after": load_after,
         **result,
         "models": {
             key: {
                 **m,
-                "buffer_bytes": buffer_bytes(configs[key]),
+                "buffer_bytes": buffers[key],
                 **model_fits(m, fits[ALGORITHM], world_size, result["sequence"], busy_s),
             }
             for key, m in result["models"].items()
         },
     }
+
+
+RESULT_KEYS = ("sweep", "concurrency", "copy_s_per_byte", "sequence", "models")
+MODEL_FITTED = ("buffer_bytes", "comm_slowdown", "call_s")  # added by `fitted`, with LATENCY_KEYS
+
+
+def refit(calibration: dict) -> dict:
+    """A kept calibration (`fitted`'s output, as the validation's JSON holds it) fitted
+    again by the code as it is now, from the same measurements: how a change to the fit
+    would have predicted runs already measured."""
+    result = {k: calibration[k] for k in RESULT_KEYS if k in calibration}
+    drop = set(MODEL_FITTED) | set(LATENCY_KEYS)
+    result["models"] = {
+        key: {k: v for k, v in m.items() if k not in drop}
+        for key, m in calibration["models"].items()
+    }
+    buffers = {key: m.get("buffer_bytes", []) for key, m in calibration["models"].items()}
+    return fitted(
+        result,
+        calibration["rate"],
+        calibration["world_size"],
+        buffers,
+        calibration.get("load_average_before"),
+        calibration.get("load_average_after"),
+    )
 
 
 # --8<-- [start:own]

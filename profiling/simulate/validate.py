@@ -492,6 +492,22 @@ def known_compute(data: dict, measured: dict[Run, Measured]) -> dict[Run, float]
     return out
 
 
+def refitted(data: dict) -> dict:
+    """`data` (a kept validation) with every calibration fitted again from its own
+    measurements by the code as it is now (`calibrate.refit`), and every kept run
+    predicted again from it; the measurements as they were. Predicted after the fact:
+    a check of a change to the fit against runs already measured, not a validation."""
+    from profiling.simulate.calibrate import Calibration, refit
+
+    calibrations = [refit(c) for c in data["calibrations"]]
+    by_cluster = {(c["rate"], c["world_size"]): Calibration.from_json(c) for c in calibrations}
+    predictions = []
+    for p in data["predictions"]:
+        run = Run.from_json(p)
+        predictions.append({**run.to_json(), **predict(run, by_cluster[run.rate, run.world_size])})
+    return {**data, "calibrations": calibrations, "predictions": predictions}
+
+
 def known_compute_lines(data: dict, measured: dict[Run, Measured], worst: int = 3) -> list[str]:
     """The summary of `known_compute`, per model, and its worst runs."""
     again = known_compute(data, measured)
@@ -693,6 +709,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also predict every run again with compute_only's measured step as the compute "
         "(after the fact): how much of the error is the compute's input",
     )
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="with --render: fit the kept calibrations' measurements again with the code as "
+        "it is now, and predict the kept runs from them: what a change to the fit would have "
+        "predicted",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -700,7 +723,9 @@ def run(args: argparse.Namespace) -> None:
         from profiling.report import read_json
 
         data = read_json(args.render, "profiling.simulate validate", "predictions")
-        return _report(data, args)
+        return _report(refitted(data) if getattr(args, "refit", False) else data, args)
+    if getattr(args, "refit", False):
+        raise SystemExit("profiling.simulate validate: --refit needs --render JSON")
     import tempfile
     from pathlib import Path
 
