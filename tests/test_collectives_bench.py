@@ -49,6 +49,34 @@ def test_fit_recovers_known_constants() -> None:
     assert fit["held_out"]["worst_pct"] < 1e-6
 
 
+def test_fit_on_the_fastest_calls_and_a_capped_free_bytes() -> None:
+    """The same made-up ring, its fastest call per size exact (free 512 KiB), its median
+    3 ms slow at the small sizes, as Gloo's two paces make it: fitted on the fastest
+    calls (`key="min_s"`), alpha, beta and free come back; on the medians they do not.
+    With free_bytes capped at 256 KiB, the fit keeps the cap and can no longer predict
+    within rounding."""
+    alpha, beta, free, gamma = 150e-6, 8e-9, 512 * 2**10, 0.2e-9
+    rows = []
+    for p in (2, 4):
+        for k in range(9):
+            n = 4 * 2**10 * 4**k
+            sent = 2 * (p - 1) / p * n
+            t = 2 * (p - 1) * alpha + max(0.0, sent - free) * beta + (p - 1) / p * n * gamma
+            slow = 3e-3 if n <= 64 * 2**10 else 0.0  # the slow pace, at the small sizes
+            rows.append({"delay_ms": 0, "world_size": p, "algorithm": "ring", "size_bytes": n,
+                         "min_s": t, "median_s": t + slow})  # fmt: skip
+    fastest = model.fit(rows, gamma, key="min_s")["ring"]
+    assert fastest["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fastest["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+    assert fastest["free_bytes"] == free
+    assert fastest["held_out"]["worst_pct"] < 1e-6
+    on_medians = model.fit(rows, gamma)["ring"]
+    assert on_medians["alpha_s"] != pytest.approx(alpha, rel=0.1)
+    capped = model.fit(rows, gamma, key="min_s", max_free_bytes=256 * 2**10)["ring"]
+    assert capped["free_bytes"] <= 256 * 2**10
+    assert capped["held_out"]["worst_pct"] > 1
+
+
 def test_model_crossover_of_ring_and_tree() -> None:
     """On 4 ranks, with no free bytes and no reduction cost, the tree (4 steps, 4n
     through rank 0's link) and the ring (6 steps, 1.5n) take equal time where

@@ -949,8 +949,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 def test_refit_reproduces_the_kept_calibrations():
-    # The committed validation was fitted by the code as it is: fitted again from its
-    # own measurements, every calibration comes out the same, key for key.
+    # The page's validation was fitted by the code as it is: fitted again from its own
+    # measurements, every calibration comes out the same, key for key.
     from profiling.simulate.calibrate import refit
 
     data = json.loads((RESULTS / "simulate-validate-amd.json").read_text())
@@ -958,21 +958,40 @@ def test_refit_reproduces_the_kept_calibrations():
         assert refit(kept) == kept
 
 
+@pytest.mark.parametrize("name", ["simulate-validate-s", "simulate-validate-t"])
+def test_the_sweeps_free_bytes_stay_within_the_token_bucket(name):
+    # Two validations kept from before the sweep was fitted on its fastest calls, with
+    # the free bytes capped. As they were fitted, on the medians, each let more through
+    # for free than its bucket holds somewhere: S 2 MiB a phase at 4 Gbit/s on 4 ranks
+    # (the bucket: 1 MiB) and 512 KiB at 1 Gbit/s on 4 (256 KiB), T 1 MiB at 1 Gbit/s
+    # and 4 MiB at 4 Gbit/s, both on 4 ranks. Fitted again, none does.
+    from profiling.cluster.network import parse_rate, tbf_burst_bytes
+    from profiling.simulate.calibrate import refit
+
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    depths = [tbf_burst_bytes(parse_rate(c["rate"])) for c in data["calibrations"]]
+    pairs = list(zip(data["calibrations"], depths, strict=True))
+    assert any(kept["fit"]["free_bytes"] > depth for kept, depth in pairs)
+    for kept, depth in pairs:
+        assert refit(kept)["fit"]["free_bytes"] <= depth, kept["rate"]
+
+
 def test_refit_predicts_the_kept_runs_with_the_fit_as_it_is_now(monkeypatch, capsys):
-    # A change to the fit (no bytes pass the token bucket for free) reaches every
-    # calibration's fit and every prediction; the measurements stay as they were.
+    # The page's validation, predicted again, gives its own summary. A change to the fit
+    # (no bytes pass the token bucket for free) reaches every calibration's fit and
+    # every prediction; the measurements stay as they were.
     import profiling.collectives.model as collective_model
     from profiling.simulate import cli
     from profiling.simulate.validate import refitted
 
-    path = RESULTS / "simulate-validate-quick.json"
+    path = RESULTS / "simulate-validate-amd.json"
     data = json.loads(path.read_text())
     cli.main(["validate", "--render", str(path), "--refit"])
     assert capsys.readouterr().out.splitlines()[-1] == summary_line(data["analysis"])
 
     monkeypatch.setattr(collective_model, "FREE_BYTES_GRID", [0])
     again = refitted(data)
-    assert [c["fit"]["free_bytes"] for c in again["calibrations"]] == [0]
+    assert [c["fit"]["free_bytes"] for c in again["calibrations"]] == [0] * 4
     assert again["bench"] == data["bench"]
     kept = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
     now = {Run.from_json(p): p["predicted_ms"] for p in again["predictions"]}

@@ -165,10 +165,14 @@ def split_sizes(sizes: list[int]) -> tuple[set[int], set[int]]:
     return set(ordered[::2]), set(ordered[1::2])
 
 
-def fit(rows: list[dict], gamma: float) -> dict[str, dict]:
+def fit(
+    rows: list[dict], gamma: float, key: str = "median_s", max_free_bytes: float | None = None
+) -> dict[str, dict]:
     """Per algorithm, alpha, beta and free_bytes fitted on the no-delay rows of the
     fitted sizes (all world sizes at once), with the relative error on both sets of
-    sizes."""
+    sizes. `key`: the rows' seconds fitted ("median_s", or "min_s" for each size's
+    fastest call); `max_free_bytes`: the most free_bytes may be (a token bucket's
+    depth), where known."""
     plain = [r for r in rows if r["delay_ms"] == 0]
     fitted_sizes, held_out = split_sizes([r["size_bytes"] for r in plain])
     fits = {}
@@ -177,23 +181,27 @@ def fit(rows: list[dict], gamma: float) -> dict[str, dict]:
         train = [r for r in mine if r["size_bytes"] in fitted_sizes]
         if len(train) < 3:
             continue
+        grid = [f for f in FREE_BYTES_GRID if max_free_bytes is None or f <= max_free_bytes]
         best = min(
-            (_fit_alpha_beta(algorithm, train, gamma, free) for free in FREE_BYTES_GRID),
+            (_fit_alpha_beta(algorithm, train, gamma, free, key) for free in grid),
             key=lambda f: f["squared_error"],
         )
-        best["fitted"] = errors(best, algorithm, train)
-        best["held_out"] = errors(best, algorithm, [r for r in mine if r["size_bytes"] in held_out])
+        best["fitted"] = errors(best, algorithm, train, key=key)
+        held = [r for r in mine if r["size_bytes"] in held_out]
+        best["held_out"] = errors(best, algorithm, held, key=key)
         fits[algorithm] = best
     return fits
 
 
-def _fit_alpha_beta(algorithm: str, rows: list[dict], gamma: float, free: float) -> dict:
-    """alpha and beta (both >= 0) minimising the squared relative error, gamma and
-    free_bytes given."""
+def _fit_alpha_beta(
+    algorithm: str, rows: list[dict], gamma: float, free: float, key: str = "median_s"
+) -> dict:
+    """alpha and beta (both >= 0) minimising the squared relative error of the rows'
+    `key` seconds, gamma and free_bytes given."""
     a, b = [], []
     for r in rows:
         c = counts(algorithm, r["world_size"], r["size_bytes"])
-        t = r["median_s"]
+        t = r[key]
         wire = sum(max(0.0, phase - free) for phase in c.phases)
         a.append([c.steps / t, wire / t])  # each row divided by t: relative error
         b.append((t - c.added * gamma) / t)
@@ -214,12 +222,15 @@ def _fit_alpha_beta(algorithm: str, rows: list[dict], gamma: float, free: float)
     }  # fmt: skip
 
 
-def errors(fit: dict, algorithm: str, rows: list[dict], delay_s: float = 0) -> dict:
-    """Relative error |predicted - measured| / measured: median, worst, and where."""
+def errors(
+    fit: dict, algorithm: str, rows: list[dict], delay_s: float = 0, key: str = "median_s"
+) -> dict:
+    """Relative error |predicted - measured| / measured (the rows' `key` seconds):
+    median, worst, and where."""
     if not rows:
         return {"median_pct": None, "worst_pct": None, "worst_at": None, "rows": 0}
     errors = [
-        (abs(predict(fit, algorithm, r["world_size"], r["size_bytes"], delay_s) / r["median_s"] - 1)
+        (abs(predict(fit, algorithm, r["world_size"], r["size_bytes"], delay_s) / r[key] - 1)
          * 100, r)
         for r in rows
     ]  # fmt: skip
