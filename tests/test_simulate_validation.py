@@ -955,7 +955,24 @@ def test_refit_reproduces_the_kept_calibrations():
 
     data = json.loads((RESULTS / "simulate-validate-amd.json").read_text())
     for kept in data["calibrations"]:
-        assert refit(kept) == kept
+        assert_same(refit(kept), kept)
+
+
+def assert_same(got, expected, where: str = "") -> None:
+    """Equal, key for key and item for item, floats to within rounding (the fit's
+    least squares may differ in the last bits on another BLAS)."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), where
+        for k in expected:
+            assert_same(got[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert_same(g, e, f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-15), where
+    else:
+        assert got == expected, where
 
 
 @pytest.mark.parametrize("name", ["simulate-validate-s", "simulate-validate-t"])
@@ -977,26 +994,29 @@ def test_the_sweeps_free_bytes_stay_within_the_token_bucket(name):
 
 
 def test_refit_predicts_the_kept_runs_with_the_fit_as_it_is_now(monkeypatch, capsys):
-    # The page's validation, predicted again, gives its own summary. A change to the fit
-    # (no bytes pass the token bucket for free) reaches every calibration's fit and
-    # every prediction; the measurements stay as they were.
+    # Run T, predicted with the fit on medians, predicted again with the fit as it is:
+    # the command prints the summary of the new predictions against the kept
+    # measurements, not the kept one. A change to the fit (no bytes pass the token
+    # bucket for free) reaches every calibration's fit and most predictions.
     import profiling.collectives.model as collective_model
     from profiling.simulate import cli
     from profiling.simulate.validate import refitted
 
-    path = RESULTS / "simulate-validate-amd.json"
+    path = RESULTS / "simulate-validate-t.json"
     data = json.loads(path.read_text())
+    again = refitted(data)
+    predicted = {Run.from_json(p): p["predicted_ms"] for p in again["predictions"]}
+    expected = summary_line(analyse(predicted, measurements(data["bench"])))
+    assert expected != summary_line(data["analysis"])
     cli.main(["validate", "--render", str(path), "--refit"])
-    assert capsys.readouterr().out.splitlines()[-1] == summary_line(data["analysis"])
+    assert capsys.readouterr().out.splitlines()[-1] == expected
 
     monkeypatch.setattr(collective_model, "FREE_BYTES_GRID", [0])
-    again = refitted(data)
-    assert [c["fit"]["free_bytes"] for c in again["calibrations"]] == [0] * 4
-    assert again["bench"] == data["bench"]
-    kept = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
-    now = {Run.from_json(p): p["predicted_ms"] for p in again["predictions"]}
-    assert now.keys() == kept.keys()
-    assert sum(now[r] != pytest.approx(kept[r]) for r in kept) > len(kept) // 2
+    zero = refitted(data)
+    assert [c["fit"]["free_bytes"] for c in zero["calibrations"]] == [0] * 4
+    now = {Run.from_json(p): p["predicted_ms"] for p in zero["predictions"]}
+    assert now.keys() == predicted.keys()
+    assert sum(now[r] != pytest.approx(predicted[r]) for r in predicted) > len(predicted) // 2
 
 
 def test_refit_needs_render():

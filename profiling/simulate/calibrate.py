@@ -9,8 +9,8 @@ running `worker` (this module under torchrun), which measures, in this order:
 1. the collective cost: Gloo's all-reduce at a handful of sizes, with the all-reduce
    benchmark's own sweep (`profiling.collectives.worker.sweep`: rounds interleaved,
    the slowest rank's time per call, and `tensor += other` for gamma), fitted on the
-   driver's side with `profiling.collectives.model.fit` on each size's fastest call,
-   free_bytes no deeper than the link's token bucket (`SWEEP_SECONDS`), and turned
+   driver's side with `profiling.collectives.model.fit` on each size's fastest call
+   (`SWEEP_SECONDS`), free_bytes no deeper than the link's token bucket, and turned
    into a `Cost` per size by `cost_model`;
 2. concurrency: two all-reduces launched asynchronously at once against one. Gloo
    serves a process group with two worker threads, so two collectives can be in flight
@@ -100,10 +100,10 @@ SWEEP = {
     "max_repeats": 10,
     "seconds_per_size": 0.5,
 }
-# The sweep's figure per size: its fastest call. Gloo's small all-reduce on shared cores
-# runs at one of two paces from one call to the next (4 KiB in 0.2-0.6 ms or in 3-7), and
-# a median on the slow side, fitted, let the fit trade wire for latency: 512 KiB of each
-# phase passed free at 1 Gbit/s, past the token bucket's 256 KiB. A call's latency comes
+# The sweep's figure per size: its fastest call. Gloo's small all-reduce on 2 ranks runs
+# at one of two paces from one call to the next (4 KiB in 0.16-0.73 ms or in 1.8-7.6),
+# and a median on the slow side, fitted, let the fit trade wire for latency: 512 KiB of
+# each phase passed free at 1 Gbit/s, past the token bucket's 256 KiB. A call's latency comes
 # from the sequence's slope (`call_s`), not from here, so the sweep sets only the wire
 # (beta and free_bytes), which its fastest calls show best; and free_bytes is capped at
 # the bucket's depth (`tbf_burst_bytes`), all a link shaped by it can pass at once.
@@ -543,18 +543,21 @@ def fitted(
     }
 
 
-RESULT_KEYS = ("sweep", "concurrency", "copy_s_per_byte", "sequence", "models")
-MODEL_FITTED = ("buffer_bytes", "comm_slowdown", "call_s")  # added by `fitted`, with LATENCY_KEYS
+# What `fitted` adds to the workers' measurements: the rest of a kept calibration is them.
+FITTED_KEYS = (
+    "rate", "world_size", "fit", "call_s", "lanes", "busy_launch_s",
+    "load_average_before", "load_average_after", *LATENCY_KEYS,
+)  # fmt: skip
+MODEL_FITTED_KEYS = ("buffer_bytes", "comm_slowdown", "call_s", *LATENCY_KEYS)
 
 
 def refit(calibration: dict) -> dict:
     """A kept calibration (`fitted`'s output, as the validation's JSON holds it) fitted
     again by the code as it is now, from the same measurements: how a change to the fit
     would have predicted runs already measured."""
-    result = {k: calibration[k] for k in RESULT_KEYS if k in calibration}
-    drop = set(MODEL_FITTED) | set(LATENCY_KEYS)
+    result = {k: v for k, v in calibration.items() if k not in FITTED_KEYS}
     result["models"] = {
-        key: {k: v for k, v in m.items() if k not in drop}
+        key: {k: v for k, v in m.items() if k not in MODEL_FITTED_KEYS}
         for key, m in calibration["models"].items()
     }
     buffers = {key: m.get("buffer_bytes", []) for key, m in calibration["models"].items()}
