@@ -948,12 +948,13 @@ def test_repeat_bad_arguments_name_the_problem(tmp_path, monkeypatch, argv, mess
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
-def test_refit_reproduces_the_kept_calibrations():
-    # The page's validation was fitted by the code as it is: fitted again from its own
-    # measurements, every calibration comes out the same, key for key.
+@pytest.mark.parametrize("name", ["simulate-validate-amd", "simulate-validate-v"])
+def test_refit_reproduces_the_kept_calibrations(name):
+    # Runs U (the page's) and V were fitted by the code as it is: fitted again from their
+    # own measurements, every calibration comes out the same, key for key.
     from profiling.simulate.calibrate import refit
 
-    data = json.loads((RESULTS / "simulate-validate-amd.json").read_text())
+    data = json.loads((RESULTS / f"{name}.json").read_text())
     for kept in data["calibrations"]:
         assert_same(refit(kept), kept)
 
