@@ -522,6 +522,7 @@ def fitted(
     cost = cost_model(fits[ALGORITHM], world_size, call_s=extra_s)
     busy_s = busy_launch_s(result["sequence"])
     return {
+        **result,  # first: what is fitted here wins over a kept figure of the same name
         "rate": rate,
         "world_size": world_size,
         "fit": fits[ALGORITHM],
@@ -531,7 +532,6 @@ def fitted(
         **latency_slowdowns(result["sequence"], cost, busy_s),
         "load_average_before": load_before,
         "load_average_after": load_after,
-        **result,
         "models": {
             key: {
                 **m,
@@ -544,6 +544,7 @@ def fitted(
 
 
 # What `fitted` adds to the workers' measurements: the rest of a kept calibration is them.
+# Dropped before fitting again, so that a figure `fitted` no longer makes is not kept.
 FITTED_KEYS = (
     "rate", "world_size", "fit", "call_s", "lanes", "busy_launch_s",
     "load_average_before", "load_average_after", *LATENCY_KEYS,
