@@ -77,6 +77,30 @@ def test_fit_on_the_fastest_calls_and_a_capped_free_bytes() -> None:
     assert capped["held_out"]["worst_pct"] > 1
 
 
+def test_beta_no_faster_than_the_link() -> None:
+    """A made-up ring whose 1 MiB calls come through the token bucket at 4x the link's
+    rate (0.25 of their wire time, as a deep enough bucket lets them): fitted freely,
+    beta comes out faster than the link; with the link's 8 ns/B as the least beta it is
+    exactly that, and the large sizes, whose bytes all cross at the link's rate, are
+    predicted within 2%."""
+    alpha, beta, gamma = 150e-6, 8e-9, 0.0
+    rows = []
+    for p in (2, 4):
+        for k in range(9):
+            n = 4 * 2**10 * 4**k
+            wire = 2 * (p - 1) / p * n * beta * (0.25 if n == 2**20 else 1.0)
+            rows.append({"delay_ms": 0, "world_size": p, "algorithm": "ring", "size_bytes": n,
+                         "min_s": 2 * (p - 1) * alpha + wire})  # fmt: skip
+    free = model.fit(rows, gamma, key="min_s", max_free_bytes=0)["ring"]
+    assert free["beta_s_per_byte"] < 0.95 * beta
+    floored = model.fit(rows, gamma, key="min_s", max_free_bytes=0, min_beta_s_per_byte=beta)
+    assert floored["ring"]["beta_s_per_byte"] == pytest.approx(beta, rel=1e-9)
+    large = [r for r in rows if r["size_bytes"] >= 16 * 2**20]
+    for r in large:
+        got = model.predict(floored["ring"], "ring", r["world_size"], r["size_bytes"])
+        assert got == pytest.approx(r["min_s"], rel=0.02)
+
+
 def test_model_crossover_of_ring_and_tree() -> None:
     """On 4 ranks, with no free bytes and no reduction cost, the tree (4 steps, 4n
     through rank 0's link) and the ring (6 steps, 1.5n) take equal time where

@@ -792,7 +792,7 @@ def test_buckets_command_reads_the_docs_calibration(tmp_path, capsys):
     cli.main(["buckets", "--shapes", "64x3x16", "--repeats", "1", "--markdown", str(out)])
     row = [line for line in out.read_text().splitlines() if line.startswith("| 64x3")]
     assert len(row) == 1 and row[0].endswith("% |"), out.read_text()
-    with pytest.raises(SystemExit, match="no calibration at 1gbit on 3 ranks"):
+    with pytest.raises(SystemExit, match="no calibration of mlp at 1gbit on 3 ranks"):
         cli.main(["buckets", "--shapes", "64x3x16", "--nproc", "3"])
     with pytest.raises(SystemExit, match="shape '64x3'"):
         cli.main(["buckets", "--shapes", "64x3"])
@@ -948,10 +948,11 @@ def test_repeat_bad_arguments_name_the_problem(tmp_path, monkeypatch, argv, mess
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
-@pytest.mark.parametrize("name", ["simulate-validate-amd", "simulate-validate-v"])
+@pytest.mark.parametrize("name", ["simulate-validate-amd", "simulate-validate-quick"])
 def test_refit_reproduces_the_kept_calibrations(name):
-    # Runs U (the page's) and V were fitted by the code as it is: fitted again from their
-    # own measurements, every calibration comes out the same, key for key.
+    # Run X (the page's) and the quick run after it were fitted by the code as it is:
+    # fitted again from their own measurements, every calibration comes out the same,
+    # key for key.
     from profiling.simulate.calibrate import refit
 
     data = json.loads((RESULTS / f"{name}.json").read_text())
@@ -1025,3 +1026,86 @@ def test_refit_needs_render():
 
     with pytest.raises(SystemExit, match="--refit needs --render"):
         cli.main(["validate", "--refit"])
+
+
+def test_each_model_is_calibrated_just_before_its_own_benchmark(tmp_path, monkeypatch, capsys):
+    # The whole grid with the calibration and the benchmark stood in for by run V's: on
+    # every cluster, each model's calibration (of that model alone) comes right before
+    # its benchmark, and its runs are predicted from it, before it is measured.
+    import profiling.simulate.calibrate as calibrate_module
+    from profiling.simulate import cli, validate
+    from profiling.simulate.calibrate import Calibration
+
+    kept = json.loads((RESULTS / "simulate-validate-v.json").read_text())
+    events, made = [], {}
+
+    def calibrate(rate, world_size, configs):
+        events.append(("calibrate", rate, world_size, tuple(configs)))
+        (model,) = configs  # one model per calibration
+        c = validate.calibration_for(kept["calibrations"], rate, world_size, model)
+        made[model, rate, world_size] = {**c, "models": {model: c["models"][model]}}
+        return made[model, rate, world_size]
+
+    def bench(command, path):
+        opts = dict(a.removeprefix("--").split("=", 1) for a in command if a.startswith("--m"))
+        rate, world = (
+            command[command.index("--network") + 1],
+            int(command[command.index("--nproc") + 1]),
+        )
+        events.append(("bench", opts["model"], rate, world))
+        predicted = {
+            Run.from_json(p).group for p in json.loads(Path(out).read_text())["predictions"]
+        }
+        assert (opts["model"], rate, world) in predicted  # predicted before it is measured
+        return [
+            r
+            for r in kept["bench"]
+            if (
+                r["settings"]["model"],
+                r["settings"]["network"]["rate"].split()[0],
+                r["settings"]["world_size"],
+            )
+            == (opts["model"], rate, world)
+        ]
+
+    monkeypatch.setattr(calibrate_module, "calibrate", calibrate)
+    monkeypatch.setattr(validate, "_bench", bench)
+    out = tmp_path / "w.json"
+    cli.main(["validate", "--json", str(out)])
+    assert events == [
+        step
+        for rate in validate.RATES
+        for world in validate.WORLD_SIZES
+        for model in ("cnn", "mlp")
+        for step in (("calibrate", rate, world, (model,)), ("bench", model, rate, world))
+    ]
+    data = json.loads(out.read_text())
+    assert len(data["calibrations"]) == 8 and len(data["predictions"]) == 104 + 8
+    for p in data["predictions"]:
+        run = Run.from_json(p)
+        own = Calibration.from_json(made[run.group])
+        assert p["predicted_ms"] == pytest.approx(validate.predict(run, own)["predicted_ms"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("prediction error: median ")
+
+
+def test_the_compute_is_pooled_over_the_repeats_in_a_row_and_every_spell_by_hand():
+    # Two ranks. Of each repeat the slowest rank's step, then the medians over the three
+    # in a row and the two spells' two each: seven repeats, worked out by hand.
+    from profiling.simulate.inputs import pooled_repeats
+
+    def r(forward, backward, ready):
+        return Repeat(forward, backward, 0.0, (ready,))
+
+    in_a_row = [
+        [r(1, 2, 1), r(1, 2, 1), r(1, 2, 1)],  # rank 0
+        [r(1, 1, 0.5), r(3, 2, 2), r(1, 1, 0.5)],  # rank 1: the slowest in repeat 1
+    ]
+    spells = [
+        [[r(2, 4, 3), r(2, 4, 3)], [r(1, 1, 1), r(1, 1, 1)]],  # rank 0 the slowest
+        [[r(1, 1, 1), r(1, 1, 1)], [r(2, 6, 5), r(2, 6, 5)]],  # rank 1 the slowest
+    ]
+    w = slowest_workload([("w", 4)], pooled_repeats(in_a_row, spells))
+    # forward 1, 3, 1, 2, 2, 2, 2; backward 2, 2, 2, 4, 4, 6, 6; ready 1, 2, 1, 3, 3, 5, 5
+    assert (w.forward_s, w.backward_s, w.grads[0].ready_s) == (2, 4, 3)
+    alone = slowest_workload([("w", 4)], in_a_row)
+    assert (alone.forward_s, alone.backward_s, alone.grads[0].ready_s) == (1, 2, 1)

@@ -166,13 +166,18 @@ def split_sizes(sizes: list[int]) -> tuple[set[int], set[int]]:
 
 
 def fit(
-    rows: list[dict], gamma: float, key: str = "median_s", max_free_bytes: float | None = None
+    rows: list[dict],
+    gamma: float,
+    key: str = "median_s",
+    max_free_bytes: float | None = None,
+    min_beta_s_per_byte: float = 0.0,
 ) -> dict[str, dict]:
     """Per algorithm, alpha, beta and free_bytes fitted on the no-delay rows of the
     fitted sizes (all world sizes at once), with the relative error on both sets of
     sizes. `key`: the rows' seconds fitted ("median_s", or "min_s" for each size's
     fastest call); `max_free_bytes`: the most free_bytes may be (a token bucket's
-    depth), where known."""
+    depth), and `min_beta_s_per_byte` the least beta (the shaped link's seconds per
+    byte: past the bucket, no byte crosses faster), where known."""
     plain = [r for r in rows if r["delay_ms"] == 0]
     fitted_sizes, held_out = split_sizes([r["size_bytes"] for r in plain])
     fits = {}
@@ -183,7 +188,10 @@ def fit(
             continue
         grid = [f for f in FREE_BYTES_GRID if max_free_bytes is None or f <= max_free_bytes]
         best = min(
-            (_fit_alpha_beta(algorithm, train, gamma, free, key) for free in grid),
+            (
+                _fit_alpha_beta(algorithm, train, gamma, free, key, min_beta_s_per_byte)
+                for free in grid
+            ),
             key=lambda f: f["squared_error"],
         )
         best["fitted"] = errors(best, algorithm, train, key=key)
@@ -194,17 +202,22 @@ def fit(
 
 
 def _fit_alpha_beta(
-    algorithm: str, rows: list[dict], gamma: float, free: float, key: str = "median_s"
+    algorithm: str,
+    rows: list[dict],
+    gamma: float,
+    free: float,
+    key: str = "median_s",
+    min_beta: float = 0.0,
 ) -> dict:
-    """alpha and beta (both >= 0) minimising the squared relative error of the rows'
-    `key` seconds, gamma and free_bytes given."""
+    """alpha >= 0 and beta >= min_beta minimising the squared relative error of the
+    rows' `key` seconds, gamma and free_bytes given."""
     a, b = [], []
     for r in rows:
         c = counts(algorithm, r["world_size"], r["size_bytes"])
         t = r[key]
         wire = sum(max(0.0, phase - free) for phase in c.phases)
         a.append([c.steps / t, wire / t])  # each row divided by t: relative error
-        b.append((t - c.added * gamma) / t)
+        b.append((t - c.added * gamma - wire * min_beta) / t)  # beta's part above min_beta
     a, b = np.array(a), np.array(b)
     candidates = [np.linalg.lstsq(a, b, rcond=None)[0]]
     # With a parameter below zero, the best non-negative fit has it at zero.
@@ -215,10 +228,10 @@ def _fit_alpha_beta(
             theta[keep] = max(0.0, float(column @ b / (column @ column)))
             candidates.append(theta)
     feasible = [t for t in candidates if (t >= 0).all()] or [np.zeros(2)]
-    alpha, beta = min(feasible, key=lambda t: float(((a @ t - b) ** 2).sum()))
+    alpha, above = min(feasible, key=lambda t: float(((a @ t - b) ** 2).sum()))
     return {
-        "alpha_s": float(alpha), "beta_s_per_byte": float(beta), "gamma": gamma,
-        "free_bytes": free, "squared_error": float(((a @ np.array([alpha, beta]) - b) ** 2).sum()),
+        "alpha_s": float(alpha), "beta_s_per_byte": float(above + min_beta), "gamma": gamma,
+        "free_bytes": free, "squared_error": float(((a @ np.array([alpha, above]) - b) ** 2).sum()),
     }  # fmt: skip
 
 

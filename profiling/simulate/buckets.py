@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> None:
     from profiling.report import command_line, markdown_table, produced_by, read_json
     from profiling.simulate.calibrate import Calibration
     from profiling.simulate.inputs import measure_workload
+    from profiling.simulate.validate import calibration_for
     from stages.auto_bucket import CANDIDATES_MB
 
     def fail(why: str) -> NoReturn:
@@ -157,19 +158,11 @@ def run(args: argparse.Namespace) -> None:
     data = read_json(
         path, "profiling.simulate buckets", "calibrations", "profiling.simulate validate"
     )
-    found = [
-        c
-        for c in data["calibrations"]
-        if c["rate"] == args.network and c["world_size"] == args.nproc
-    ]
-    if not found:
-        fail(
-            f"{path} has no calibration at {args.network} on {args.nproc} ranks; pick "
-            "--network and --nproc from the validation's grid"
-        )
-    if "mlp" not in found[0]["models"]:
-        fail(f"{path}'s calibration at {args.network} on {args.nproc} ranks has no MLP")
-    calibration = Calibration.from_json(found[0])
+    try:
+        found = calibration_for(data["calibrations"], args.network, args.nproc, "mlp")
+    except KeyError as e:
+        fail(f"{path}: {e.args[0]}; pick --network and --nproc from the validation's grid")
+    calibration = Calibration.from_json(found)
     steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
     body = []
     for shape in shapes:

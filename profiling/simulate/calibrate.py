@@ -1,5 +1,6 @@
 """Calibration: everything a prediction needs, measured on the virtual cluster at one
-rate and world size, before any run it predicts is measured.
+rate and world size, before any run it predicts is measured (the validation calibrates
+each model on its own, just before that model's benchmark).
 
     calibration = calibrate("1gbit", 2, {"mlp": Config(model="mlp", ...)})
 
@@ -10,8 +11,8 @@ running `worker` (this module under torchrun), which measures, in this order:
    benchmark's own sweep (`profiling.collectives.worker.sweep`: rounds interleaved,
    the slowest rank's time per call, and `tensor += other` for gamma), fitted on the
    driver's side with `profiling.collectives.model.fit` on each size's fastest call
-   (`SWEEP_SECONDS`), free_bytes no deeper than the link's token bucket, and turned
-   into a `Cost` per size by `cost_model`;
+   (`SWEEP_SECONDS`), free_bytes no deeper than the link's token bucket and beta no
+   faster than its rate, and turned into a `Cost` per size by `cost_model`;
 2. concurrency: two all-reduces launched asynchronously at once against one. Gloo
    serves a process group with two worker threads, so two collectives can be in flight
    together; where two small ones take about as long as one, `lanes` says 2. It is
@@ -52,7 +53,10 @@ running `worker` (this module under torchrun), which measures, in this order:
      flights pick one;
 5. per model, the compute: `inputs.time_repeats` on every rank at once (each repeat from
    a barrier, so the ranks share the cores as the benchmark's do; the slowest rank's
-   repeat kept), and the same backward again with one all-reduce in flight that lasts
+   repeat kept), 15 in a row here and 5 in each of four spells spread over the whole
+   calibration (`Spells`: before the sweep, before the sequence, after it, and after
+   this model's own figures), the medians over all of them (`inputs.pooled_repeats`);
+   and the same backward again with one all-reduce in flight that lasts
    longer than it: `slowdown` = backward with / backward without - 1, how much longer
    compute takes while communication runs on the same cores; and the other way round,
    from when that all-reduce ended against the same all-reduce alone, how much longer
@@ -106,13 +110,19 @@ SWEEP = {
 # each phase passed free at 1 Gbit/s, past the token bucket's 256 KiB. A call's latency comes
 # from the sequence's slope (`call_s`), not from here, so the sweep sets only the wire
 # (beta and free_bytes), which its fastest calls show best; and free_bytes is capped at
-# the bucket's depth (`tbf_burst_bytes`), all a link shaped by it can pass at once.
+# the bucket's depth (`tbf_burst_bytes`), all a link shaped by it can pass at once, and
+# beta at the link's rate: past the bucket, no byte crosses faster.
 SWEEP_SECONDS = "min_s"
 CONCURRENCY_BYTES = (4 * 2**10, 4 * 2**20)  # latency-bound, and wire-bound
 CONCURRENCY_REPEATS = 30  # a few ms each: the medians of many, as one pair is noisy
 TWO_LANES_BELOW = 1.5  # two small all-reduces at once take < 1.5x one: they overlap
 REPEATS = 15  # timed compute repeats per model, each way (alone, with communication)
 WARMUP = 3
+# The compute alone is also timed in spells spread over the whole calibration (before
+# the sweep, between its parts, after the model's own figures), all pooled with the
+# REPEATS: the machine's pace swings over seconds, and 15 repeats in a row (2-3 s) are
+# one swing, where the benchmark's median spans two minutes of them.
+SPELL_REPEATS = 5
 COMM_COVER = 2.0  # the all-reduce in flight is sized to last this many backwards
 COMM_ALONE = 5  # then timed alone this many times
 COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
@@ -513,6 +523,7 @@ def fitted(
         measure_gamma([sweep]),
         key=SWEEP_SECONDS,  # each size's fastest call
         max_free_bytes=tbf_burst_bytes(parse_rate(rate)),  # the token bucket's depth
+        min_beta_s_per_byte=8 / parse_rate(rate),  # and its rate
     )
     # --8<-- [end:sweep]
     if ALGORITHM not in fits:
@@ -607,6 +618,9 @@ def worker(settings: dict) -> None:
     setup_process_group("gloo")
     try:
         rank = dist.get_rank()
+        configs = {key: Config(**cfg) for key, cfg in settings["configs"].items()}
+        spells = Spells(configs)
+        spells.take()
         sweep_result = sweep(settings["sweep"])
         largest = max(c["size_bytes"] for c in sweep_result["cells"])
         largest_s = statistics.median(
@@ -616,17 +630,47 @@ def worker(settings: dict) -> None:
             "sweep": sweep_result,
             "concurrency": [_concurrency(n) for n in CONCURRENCY_BYTES],
             "copy_s_per_byte": _copy_s_per_byte(),
-            "sequence": _sequence(),
         }
+        spells.take()
+        result["sequence"] = _sequence()
+        spells.take()
         result["models"] = {
-            key: _model(Config(**cfg), largest_s / largest)
-            for key, cfg in settings["configs"].items()
+            key: _model(cfg, largest_s / largest, spells, key) for key, cfg in configs.items()
         }
         if rank == 0:
             Path(settings["out"]).write_text(json.dumps(result))
         _say(f"calibration done on {dist.get_world_size()} ranks")
     finally:
         teardown_process_group()
+
+
+class Spells:
+    """The compute alone, timed in spells through the calibration: `take` times
+    SPELL_REPEATS repeats of every model, on every rank at once, each from a barrier (as
+    `_model` times its own), and notes when, from the first spell's start."""
+
+    def __init__(self, configs: dict[str, Config]) -> None:
+        self.configs = configs
+        self.repeats: dict[str, list] = {key: [] for key in configs}  # per spell, this rank's
+        self.at_s: dict[str, list[float]] = {key: [] for key in configs}
+        self.started = time.perf_counter()
+
+    def take(self, keys: list[str] | None = None) -> None:
+        import torch.distributed as dist
+
+        from profiling.simulate.inputs import time_repeats
+
+        for key in keys or list(self.configs):
+            self.at_s[key].append(time.perf_counter() - self.started)
+            _, repeats = time_repeats(
+                self.configs[key],
+                dist.get_world_size(),
+                repeats=SPELL_REPEATS,
+                warmup=1,
+                rank=dist.get_rank(),
+                before_repeat=dist.barrier,
+            )
+            self.repeats[key].append(repeats)
 
 
 def _say(text: str) -> None:
@@ -902,14 +946,16 @@ def _sequence() -> dict:
     }
 
 
-def _model(cfg: Config, s_per_byte: float) -> dict:
+def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
     """The compute of `cfg` on every rank at once, then backward again with an all-reduce
-    in flight for all of it."""
+    in flight for all of it; the compute kept is these repeats and every spell of it
+    (`Spells`), pooled."""
     import torch
     import torch.distributed as dist
 
     from ddp.dist import slowest_seconds
     from profiling.simulate.inputs import (
+        pooled_repeats,
         slowest_rank,
         slowest_workload,
         time_repeats,
@@ -928,6 +974,7 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     # so both kinds see the same spells of the shared machine. Its size is the same on
     # every rank: from the slowest rank's backward (as the benchmark times a step) in a
     # first, short measurement, and the sweep's largest size, timed the same way.
+    main_at_s = time.perf_counter() - spells.started
     options = {"rank": rank, "before_repeat": dist.barrier}
     grads, first = time_repeats(cfg, world, repeats=3, warmup=WARMUP, **options)
     backward_s = slowest_workload(grads, everyone(first)).backward_s
@@ -967,6 +1014,20 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
     copy_s_per_byte = _copy_after_backward(cfg)
     calls = _calls_after_backward(cfg)
     broadcast_s = _broadcast_buffers(cfg)
+    spells.take([key])  # the last spell, after this model's own figures
+    # --8<-- [start:spells]
+    # What predictions use: the alone repeats above and every spell's, pooled, so that
+    # the compute is the median over the calibration's span, not over one swing of the
+    # shared machine's pace. The slowdown keeps its own partners (the same swings).
+    by_spell = [everyone(repeats) for repeats in spells.repeats[key]]
+    pooled = pooled_repeats([r[0::2] for r in per_rank], by_spell)
+    spread = slowest_workload(grads, pooled)
+    trace = [
+        [at, slowest_workload(grads, spell).compute_s]
+        for at, spell in zip(spells.at_s[key], by_spell, strict=True)
+    ]
+    trace.append([main_at_s, workload.compute_s])
+    # --8<-- [end:spells]
     _say(
         f"{cfg.model}: forward {workload.forward_s * 1e3:.1f} ms, backward "
         f"{workload.backward_s * 1e3:.1f} ms alone, {with_comm.backward_s * 1e3:.1f} ms with "
@@ -974,11 +1035,18 @@ def _model(cfg: Config, s_per_byte: float) -> dict:
         f"{alone_s * 1e3:.1f} ms alone), optimizer "
         f"{workload.optimizer_s * 1e3:.1f} ms, a pass over its gradients "
         f"{copy_s_per_byte * 2**20 * 1e3:.2f} ms/MiB, its buffers' broadcast "
-        f"{broadcast_s * 1e3:.2f} ms"
+        f"{broadcast_s * 1e3:.2f} ms; the compute over {len(by_spell)} spells too "
+        f"{spread.compute_s * 1e3:.1f} ms (these alone {workload.compute_s * 1e3:.1f})"
     )
     return {
         "config": dataclasses.asdict(cfg),
-        "workload": workload_to_json(workload),
+        "workload": workload_to_json(spread),
+        "alone_workload": workload_to_json(workload),  # the REPEATS alone, in a row
+        "compute_spells_s": sorted(trace),  # [seconds into the calibration, compute s]
+        "compute_repeats_s": [  # what "workload" is the medians of, but the ready times
+            [r.forward_s, r.backward_s, r.optimizer_s]
+            for r in (together[slowest_rank(together)] for together in zip(*pooled, strict=True))
+        ],
         "copy_s_per_byte": copy_s_per_byte,
         "backward_with_comm_s": with_comm.backward_s,
         "comm_bytes": comm_bytes,

@@ -127,22 +127,16 @@ def run(args: argparse.Namespace) -> None:
     from ddp.heap import steady_heap
     from profiling.simulate.calibrate import Calibration
     from profiling.simulate.inputs import measure_workload
+    from profiling.simulate.validate import calibration_for
 
     data = read_json(
         args.calibration, "profiling.simulate gantt", "calibrations", "profiling.simulate validate"
     )
-    found = [
-        c
-        for c in data["calibrations"]
-        if c["rate"] == args.rate and c["world_size"] == args.world_size
-    ]
-    if not found:
-        have = [f"{c['rate']} x{c['world_size']}" for c in data["calibrations"]]
-        raise SystemExit(
-            f"{args.calibration}: no calibration at {args.rate} on {args.world_size} ranks "
-            f"(it has {have}); pass --rate and --world-size"
-        )
-    calibration = Calibration.from_json(found[0])
+    try:
+        found = calibration_for(data["calibrations"], args.rate, args.world_size, MODEL["model"])
+    except KeyError as e:
+        raise SystemExit(f"{args.calibration}: {e.args[0]}; pass --rate and --world-size") from None
+    calibration = Calibration.from_json(found)
     print("measuring the workload's compute ...", file=sys.stderr, flush=True)
     steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
     workload = measure_workload(Config(**MODEL), args.world_size)

@@ -152,6 +152,18 @@ def slowest_workload(grads: list[tuple[str, int]], per_rank: list[list[Repeat]])
     return to_workload(grads, slowest)
 
 
+def pooled_repeats(
+    in_a_row: list[list[Repeat]], spells: Sequence[list[list[Repeat]]]
+) -> list[list[Repeat]]:
+    """Per rank, the repeats timed in a row (in_a_row[rank][k]) and then each spell's
+    (spells[s][rank][k]), each repeat started on every rank together: `slowest_workload`
+    of them takes its medians over the whole span they were timed in, not one stretch."""
+    return [
+        [*repeats, *(r for spell in spells for r in spell[rank])]
+        for rank, repeats in enumerate(in_a_row)
+    ]
+
+
 def measure_workload(cfg: Config, world_size: int = 1, **options) -> Workload:
     """The workload of `cfg`'s model on one process: see the module's docstring; options
     go to `time_repeats`."""

@@ -8,15 +8,18 @@
     python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
         --known-compute     # and each run again with the compute measured (after the fact)
 
-In order, for every (rate, world size) of the grid: calibrate on a fresh cluster
-(`calibrate`: the all-reduce cost, whether two collectives overlap, and per model the
-compute and its slowdown under communication); then predict that cluster's runs and
-print the predictions; only then measure them, with one `profiling.bench` invocation per
-model: every stage at every bucket cap interleaved in the same rounds
-(`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep bucket_cap_mb=...`).
-Each cluster is calibrated just before its own runs are measured, not all of them
-first: on a shared machine the compute's pace drifts over minutes (a first calibration
-on an idle machine once timed the CNN's compute 15% faster than every measurement after).
+In order, for every (rate, world size) of the grid and every model: calibrate that
+model on a fresh cluster (`calibrate`: the all-reduce cost, whether two collectives
+overlap, the model's compute and its slowdown under communication); then predict its
+runs there and print the predictions; only then measure them, with one
+`profiling.bench` invocation: every stage at every bucket cap interleaved in the same
+rounds (`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep
+bucket_cap_mb=...`). Each model is calibrated just before its own runs are measured,
+not every cluster first, nor both models of a cluster together: on a shared machine
+the compute's pace drifts over minutes (a first calibration on an idle machine once
+timed the CNN's compute 15% faster than every measurement after), and up to run V,
+which calibrated both models of a cluster before benchmarking either, the MLP's
+compute, benchmarked second, was off by more than 10% in six of sixteen clusters.
 The table compares each run's predicted step with its measured median; the last line
 sums it up:
 
@@ -492,6 +495,19 @@ def known_compute(data: dict, measured: dict[Run, Measured]) -> dict[Run, float]
     return out
 
 
+def calibration_for(calibrations: list[dict], rate: str, world_size: int, model: str) -> dict:
+    """The calibration that `model`'s runs at (rate, world size) were predicted from: one
+    per cluster and model (each made just before that model's benchmark), or, in runs
+    kept from before, one per cluster holding every model. KeyError if there is none."""
+    for c in calibrations:
+        if (c["rate"], c["world_size"]) == (rate, world_size) and model in c["models"]:
+            return c
+    have = sorted(
+        {f"{m} {c['rate']} x{c['world_size']}" for c in calibrations for m in c["models"]}
+    )
+    raise KeyError(f"no calibration of {model} at {rate} on {world_size} ranks (there are {have})")
+
+
 def refitted(data: dict) -> dict:
     """`data` (a kept validation) with every calibration fitted again from its own
     measurements by the code as it is now (`calibrate.refit`), and every kept run
@@ -500,11 +516,11 @@ def refitted(data: dict) -> dict:
     from profiling.simulate.calibrate import Calibration, refit
 
     calibrations = [refit(c) for c in data["calibrations"]]
-    by_cluster = {(c["rate"], c["world_size"]): Calibration.from_json(c) for c in calibrations}
     predictions = []
     for p in data["predictions"]:
         run = Run.from_json(p)
-        predictions.append({**run.to_json(), **predict(run, by_cluster[run.rate, run.world_size])})
+        c = calibration_for(calibrations, run.rate, run.world_size, run.model)
+        predictions.append({**run.to_json(), **predict(run, Calibration.from_json(c))})
     return {**data, "calibrations": calibrations, "predictions": predictions}
 
 
@@ -561,7 +577,9 @@ def markdown(data: dict) -> str:
         f"calibrating, {data['elapsed_s']['benchmark']:.0f} s measuring); "
         f"{data['machine']['date_utc']} UTC.",
         "",
-        "**Calibration**, measured on each cluster just before its runs:",
+        "**Calibration**, measured on each cluster just before its runs:"
+        if any(len(c["models"]) > 1 for c in data["calibrations"])
+        else "**Calibration**, measured for each model on each cluster just before its runs:",
         "",
     ]
     cal_rows = []
@@ -756,30 +774,35 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rate in spec["rates"]:
             for world in spec["world_sizes"]:
-                # 1. Calibrate this cluster, just before its runs.
-                print(f"calibrating at {rate} on {world} ranks ...", file=sys.stderr, flush=True)
-                t0 = time.perf_counter()
-                data["calibrations"].append(_twice(calibrate, rate, world, configs))
-                calibrating_s += time.perf_counter() - t0
-                calibration = Calibration.from_json(data["calibrations"][-1])
+                for model in sorted(spec["models"]):
+                    # 1. Calibrate this cluster for this model, just before its runs.
+                    print(f"calibrating {model} at {rate} on {world} ranks ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    t0 = time.perf_counter()
+                    cfg = {model: configs[model]}
+                    data["calibrations"].append(_twice(calibrate, rate, world, cfg))
+                    calibrating_s += time.perf_counter() - t0
+                    calibration = Calibration.from_json(data["calibrations"][-1])
 
-                # 2. Predict its runs, and show the predictions before any is measured.
-                mine = [r for r in runs if (r.rate, r.world_size) == (rate, world)]
-                floors = sorted({Run(*r.group, FLOOR, None) for r in mine})
-                predictions = [
-                    {**r.to_json(), **predict(r, calibration)}
-                    for r in sorted([*floors, *mine], key=lambda r: r.table_order)
-                ]
-                print(f"predicted step times at {rate} on {world} ranks, before measuring:")
-                for p in predictions:
-                    print(f"  {Run.from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
-                sys.stdout.flush()
-                data["predictions"] += predictions
-                if args.json:  # kept as it grows: a later failure leaves what was done
-                    write_json(args.json, data)
+                    # 2. Predict its runs, and show the predictions before any is measured.
+                    mine = [r for r in runs if r.group == (model, rate, world)]
+                    predictions = [
+                        {**r.to_json(), **predict(r, calibration)}
+                        for r in sorted(
+                            [Run(model, rate, world, FLOOR, None), *mine],
+                            key=lambda r: r.table_order,
+                        )
+                    ]
+                    print(f"predicted step times of {model} at {rate} on {world} ranks, "
+                          "before measuring:")  # fmt: skip
+                    for p in predictions:
+                        print(f"  {Run.from_json(p).label:<40} {p['predicted_ms']:8.1f} ms")
+                    sys.stdout.flush()
+                    data["predictions"] += predictions
+                    if args.json:  # kept as it grows: a later failure leaves what was done
+                        write_json(args.json, data)
 
-                # 3. Measure: one benchmark per model, all its runs interleaved.
-                for model in sorted({r.model for r in mine}):
+                    # 3. Measure: one benchmark, all its runs interleaved.
                     path = str(Path(tmp) / f"{model}-{rate}-{world}.json")
                     command = bench_command(model, rate, world, path)
                     print(f"measuring {model} at {rate} on {world} ranks ...",
