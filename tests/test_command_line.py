@@ -336,6 +336,7 @@ RESULTS_READERS = {
     "simulate buckets": (_simulate_main, ["buckets", "--calibration", "{path}"]),
     "simulate repeat --render": (_simulate_main, ["repeat", "--render", "{path}"]),
     "simulate paper --shape": (_simulate_main, ["paper", "--no-files", "--shape", "{path}"]),
+    "simulate pace --render": (_simulate_main, ["pace", "--render", "{path}"]),
 }
 
 

@@ -7,6 +7,7 @@ python -m profiling.simulate paper                 the papers' figures against t
 python -m profiling.simulate buckets               where torch's default layout loses most
 python -m profiling.simulate repeat                one validate run's measurement against another's
 python -m profiling.simulate shape                 when each gradient is ready, on a GPU
+python -m profiling.simulate pace                  what the compute, timed before, misses
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ COMMANDS = {
     "buckets": "profiling.simulate.buckets",
     "repeat": "profiling.simulate.repeat",
     "shape": "profiling.simulate.shape",
+    "pace": "profiling.simulate.pace",
 }
 
 
