@@ -30,13 +30,13 @@ def test_an_estimate_in_a_row_against_the_median_after_a_gap_by_hand():
 
 
 def test_an_estimate_spread_over_a_window_by_hand():
-    # At 120, over the 60 s before it: 61 steps (60..120), every 20th: 60, 80, 100, 120,
-    # the last three 1.0, 1.2, 1.2: median 1.2 against 1.2 after it, no miss; in a row,
-    # the last three are all 1.2 too. At 110 over 60 s: 50, 70, 90, 110 -> 1.0, 1.0,
-    # 1.2 (the last three): median 1.0, 1/6 short of 1.2.
-    assert pace.miss_at(POINTS, 120, 0, 60, repeats=3, bench_s=10) == 0
-    assert pace.miss_at(POINTS, 110, 0, 60, repeats=3, bench_s=10) == pytest.approx(1 / 6)
-    assert pace.miss_at(POINTS, 110, 0, 0, repeats=3, bench_s=10) == 0
+    # Three steps evenly spaced from the window's first to its last. At 140 over 60 s:
+    # 80, 110, 140 -> 1.0, 1.2, 1.2, median 1.2 against 1.2 after it, no miss. At 120:
+    # 60, 90, 120 -> 1.0, 1.0, 1.2, median 1.0: 1/6 short, where the last three in a
+    # row (118, 119, 120) are all 1.2 and miss nothing.
+    assert pace.miss_at(POINTS, 140, 0, 60, repeats=3, bench_s=10) == 0
+    assert pace.miss_at(POINTS, 120, 0, 60, repeats=3, bench_s=10) == pytest.approx(1 / 6)
+    assert pace.miss_at(POINTS, 120, 0, 0, repeats=3, bench_s=10) == 0
 
 
 def test_no_steps_to_measure_is_refused():

@@ -1,5 +1,6 @@
-"""How steady the machine's pace is: what a calibration's compute, timed before a
-benchmark, misses of that benchmark's median.
+"""How steady the machine's pace is: what the compute, timed now as a calibration
+times it, misses of the median over the next two minutes (one model's benchmark's
+span), with no benchmark run.
 
     python -m profiling.simulate pace --nproc 4 --seconds 560 \\
         --json docs/results/simulate-pace.json --markdown docs/results/simulate-pace.md
@@ -15,8 +16,9 @@ the steps from T + gap to T + gap + BENCH_S (the span of one model's benchmark):
 
 - in a row: the last 15 repeats before T, as the calibration timed the compute up to
   run V;
-- spread over W s: 15 repeats evenly spaced over the W seconds before T, as the spells
-  spread it (`calibrate.Spells`).
+- spread over W s: 15 repeats evenly spaced over the W seconds before T: what the
+  spells (`calibrate.Spells`, 15 in a row and four spells of 5 through the
+  calibration's 11-42 s) approach.
 
 The table gives each estimate's miss, |estimate / median - 1|, over all T: median, 90th
 percentile and largest. The gaps are 0 (a model benchmarked right after its
@@ -65,13 +67,16 @@ def miss_at(
     bench_s: float = BENCH_S,
 ) -> float:
     """|estimate / measured - 1| of an estimate made at `at_s` (the median of `repeats`
-    steps: the last ones before it where window_s is 0, else evenly spaced over the
-    window_s seconds before it) against the median step from at_s + gap_s to at_s +
-    gap_s + bench_s."""
-    before = [s for t, s in points if at_s - window_s <= t <= at_s]
+    steps: the last ones before it where window_s is 0, else evenly spaced from the
+    first step of the window_s seconds before it to the last) against the median step
+    from at_s + gap_s to at_s + gap_s + bench_s."""
     if window_s == 0:
-        before = [s for t, s in points if t <= at_s][-repeats:]
-    sample = before[:: max(1, len(before) // repeats)][-repeats:]
+        sample = [s for t, s in points if t <= at_s][-repeats:]
+    else:  # `repeats` evenly spaced from the window's first step to its last
+        window = [s for t, s in points if at_s - window_s <= t <= at_s]
+        last = len(window) - 1
+        step = last / max(1, repeats - 1)
+        sample = [window[round(k * step)] for k in range(repeats)] if window else []
     later = [s for t, s in points if at_s + gap_s <= t <= at_s + gap_s + bench_s]
     if not sample or not later:
         raise ValueError(f"no steps to estimate at {at_s} s or to measure after it")
@@ -190,6 +195,7 @@ def run(args: argparse.Namespace) -> None:
 def worker(settings: dict) -> None:
     """On every rank: the two models' compute, five repeats at a time, for the seconds
     asked; rank 0 writes each block's start and its slowest-rank steps."""
+    import torch
     import torch.distributed as dist
 
     from ddp.config import Config
@@ -204,7 +210,14 @@ def worker(settings: dict) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         configs = {m: Config(**MODELS[m]) for m in MODELS}
         rows, start = [], time.perf_counter()
-        while time.perf_counter() - start < settings["seconds"]:
+        going = torch.ones(1)
+        while True:
+            # Rank 0's clock decides for every rank, so that none leaves while the others
+            # wait for it at a barrier.
+            going.fill_(float(time.perf_counter() - start < settings["seconds"]))
+            dist.broadcast(going, src=0)
+            if not going.item():
+                break
             for model, cfg in configs.items():
                 at = time.perf_counter() - start
                 _, repeats = time_repeats(

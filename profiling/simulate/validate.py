@@ -17,9 +17,8 @@ rounds (`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep
 bucket_cap_mb=...`). Each model is calibrated just before its own runs are measured,
 not every cluster first, nor both models of a cluster together: on a shared machine
 the compute's pace drifts over minutes (a first calibration on an idle machine once
-timed the CNN's compute 15% faster than every measurement after), and up to run V,
-which calibrated both models of a cluster before benchmarking either, the MLP's
-compute, benchmarked second, was off by more than 10% in six of sixteen clusters.
+timed the CNN's compute 15% faster than every measurement after), and a model
+benchmarked second would be predicted from a compute timed minutes before.
 The table compares each run's predicted step with its measured median; the last line
 sums it up:
 
