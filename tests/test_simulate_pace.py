@@ -85,3 +85,30 @@ def test_the_committed_table_renders_again(tmp_path):
     out = tmp_path / "pace.md"
     cli.main(["pace", "--render", str(results / "simulate-pace.json"), "--markdown", str(out)])
     assert out.read_text() == (results / "simulate-pace.md").read_text()
+
+
+def test_the_worker_times_both_models_in_turn_and_stops(tmp_path):
+    # The ranks themselves, 2 over loopback, for 2 s: rank 0's clock ends the loop for
+    # both, and its rows alternate the models, 5 slowest-rank steps each, in time order.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "rows.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "profiling.simulate.pace",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        pace.ENV: json.dumps({"seconds": 2.0, "out": str(out)}),
+    }
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) >= 2 and [m for _, m, _ in rows[:2]] == ["mlp", "cnn"]
+    assert all(len(steps) == 5 and min(steps) > 0 for _, _, steps in rows)
+    assert [t for t, _, _ in rows] == sorted(t for t, _, _ in rows)

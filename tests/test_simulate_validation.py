@@ -948,9 +948,11 @@ def test_repeat_bad_arguments_name_the_problem(tmp_path, monkeypatch, argv, mess
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
-@pytest.mark.parametrize("name", ["simulate-validate-amd", "simulate-validate-quick"])
+@pytest.mark.parametrize(
+    "name", ["simulate-validate-amd", "simulate-validate-y", "simulate-validate-quick"]
+)
 def test_refit_reproduces_the_kept_calibrations(name):
-    # Run X (the page's) and the quick run after it were fitted by the code as it is:
+    # Runs X (the page's) and Y, and the quick run after X, were fitted by the code as it is:
     # fitted again from their own measurements, every calibration comes out the same,
     # key for key.
     from profiling.simulate.calibrate import refit
