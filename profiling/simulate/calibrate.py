@@ -957,8 +957,10 @@ def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
     from profiling.simulate.inputs import (
         pooled_repeats,
         slowest_rank,
+        slowest_repeats,
         slowest_workload,
         time_repeats,
+        to_workload,
         workload_to_json,
     )
 
@@ -1020,8 +1022,8 @@ def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
     # the compute is the median over the calibration's span, not over one swing of the
     # shared machine's pace. The slowdown keeps its own partners (the same swings).
     by_spell = [everyone(repeats) for repeats in spells.repeats[key]]
-    pooled = pooled_repeats([r[0::2] for r in per_rank], by_spell)
-    spread = slowest_workload(grads, pooled)
+    pooled = slowest_repeats(pooled_repeats([r[0::2] for r in per_rank], by_spell))
+    spread = to_workload(grads, pooled)
     trace = [
         [at, slowest_workload(grads, spell).compute_s]
         for at, spell in zip(spells.at_s[key], by_spell, strict=True)
@@ -1044,8 +1046,7 @@ def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
         "alone_workload": workload_to_json(workload),  # the REPEATS alone, in a row
         "compute_spells_s": sorted(trace),  # [seconds into the calibration, compute s]
         "compute_repeats_s": [  # what "workload" is the medians of, but the ready times
-            [r.forward_s, r.backward_s, r.optimizer_s]
-            for r in (together[slowest_rank(together)] for together in zip(*pooled, strict=True))
+            [r.forward_s, r.backward_s, r.optimizer_s] for r in pooled
         ],
         "copy_s_per_byte": copy_s_per_byte,
         "backward_with_comm_s": with_comm.backward_s,

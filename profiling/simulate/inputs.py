@@ -142,14 +142,18 @@ def slowest_rank(together: Sequence[Repeat]) -> int:
     return max(range(len(together)), key=lambda rank: together[rank].step_s)
 
 
-def slowest_workload(grads: list[tuple[str, int]], per_rank: list[list[Repeat]]) -> Workload:
+def slowest_repeats(per_rank: list[list[Repeat]]) -> list[Repeat]:
     """Repeats taken on every rank at once (per_rank[rank][k]: repeat k, started together):
-    of each repeat, the slowest rank's, as the benchmark times a step; then the medians."""
+    of each repeat, the slowest rank's, as the benchmark times a step."""
     lengths = {len(r) for r in per_rank}
     if len(lengths) != 1:
         raise ValueError(f"every rank must time as many repeats, got {sorted(lengths)}")
-    slowest = [together[slowest_rank(together)] for together in zip(*per_rank, strict=True)]
-    return to_workload(grads, slowest)
+    return [together[slowest_rank(together)] for together in zip(*per_rank, strict=True)]
+
+
+def slowest_workload(grads: list[tuple[str, int]], per_rank: list[list[Repeat]]) -> Workload:
+    """Of each repeat the slowest rank's (`slowest_repeats`), then the medians."""
+    return to_workload(grads, slowest_repeats(per_rank))
 
 
 def pooled_repeats(

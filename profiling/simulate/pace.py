@@ -112,6 +112,7 @@ def summary(data: dict) -> list[dict]:
 
 
 def markdown(data: dict) -> str:
+    """The table of `data["summary"]` (`summary`), with what was run."""
     from profiling.report import markdown_table, produced_by
 
     body = [
@@ -124,7 +125,7 @@ def markdown(data: dict) -> str:
             f"{r['max_pct']:.1f}%",
             str(r["points"]),
         ]
-        for r in summary(data)
+        for r in data["summary"]
     ]
     steps = {m: statistics.median(s for _, s in p) for m, p in series(data["rows"]).items()}
     header = ["model", "gap s", "the compute timed as", "median miss", "90th pct", "largest",
@@ -201,7 +202,7 @@ def worker(settings: dict) -> None:
     from ddp.config import Config
     from ddp.dist import setup_process_group, teardown_process_group
     from ddp.heap import steady_heap
-    from profiling.simulate.inputs import time_repeats
+    from profiling.simulate.inputs import slowest_repeats, time_repeats
     from profiling.simulate.validate import MODELS
 
     steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
@@ -224,8 +225,8 @@ def worker(settings: dict) -> None:
                     cfg, world, repeats=5, warmup=1, rank=rank, before_repeat=dist.barrier
                 )
                 gathered: list = [None] * world
-                dist.all_gather_object(gathered, [r.step_s for r in repeats])
-                rows.append([at, model, [max(steps) for steps in zip(*gathered, strict=True)]])
+                dist.all_gather_object(gathered, repeats)
+                rows.append([at, model, [r.step_s for r in slowest_repeats(gathered)]])
         if rank == 0:
             Path(settings["out"]).write_text(json.dumps(rows))
     finally:

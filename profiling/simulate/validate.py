@@ -515,11 +515,12 @@ def refitted(data: dict) -> dict:
     from profiling.simulate.calibrate import Calibration, refit
 
     calibrations = [refit(c) for c in data["calibrations"]]
+    built = {id(c): Calibration.from_json(c) for c in calibrations}  # once each
     predictions = []
     for p in data["predictions"]:
         run = Run.from_json(p)
         c = calibration_for(calibrations, run.rate, run.world_size, run.model)
-        predictions.append({**run.to_json(), **predict(run, Calibration.from_json(c))})
+        predictions.append({**run.to_json(), **predict(run, built[id(c)])})
     return {**data, "calibrations": calibrations, "predictions": predictions}
 
 
