@@ -191,3 +191,25 @@ def test_stage_copies_in_and_out_by_hand():
     assert bucketed.step_s == pytest.approx(0.034)
     naive = simulate(work, [[0], [1]], cost, StageSchedule(False, copy_out_s_per_byte=1e-5))
     assert naive.step_s == pytest.approx(0.032)
+
+
+def test_stage_own_time_per_gradient_by_hand():
+    # The same two gradients and all-reduces, no copies, and the stage's own 2 ms a
+    # gradient (its Python, timed with no communication).
+    # overlapped: in the hook, like a copy in: ready at 12 and 24 (backward ends at 24);
+    # all-reduces 12-17 and 24-29: the step is 29.
+    # bucketed: backward to 20, then all of it at once (4 ms), then the all-reduces
+    # one after the other: 24-29-34.
+    work = Workload((Grad("a", 100, 0.010), Grad("b", 100, 0.020)), 0.0, 0.020, 0.0)
+    cost = linear_cost(0.005, 0.0)
+    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(True, own_s_per_grad=0.002))
+    assert overlapped.step_s == pytest.approx(0.029)
+    comm = [t for s in overlapped.lane("comm") for t in (s.start_s, s.end_s)]
+    assert comm == pytest.approx([0.012, 0.017, 0.024, 0.029])
+    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(False, own_s_per_grad=0.002))
+    assert bucketed.step_s == pytest.approx(0.034)
+    assert ("stage", 0.020, 0.024) in [
+        (s.label, round(s.start_s, 6), round(s.end_s, 6)) for s in bucketed.lane("compute")
+    ]
+    # Its time is the stage's, not the compute's: exposed, as the benchmark counts it.
+    assert bucketed.compute_s == pytest.approx(0.020)

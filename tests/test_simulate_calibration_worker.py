@@ -1,6 +1,7 @@
 """The calibration's worker itself (`profiling.simulate.calibrate.worker`), on 2 ranks
 over loopback (no link shaped: nothing here checks a figure against a rate), with a
-tiny MLP and a two-size sweep: what it keeps of the compute. About 15 s."""
+tiny MLP and a two-size sweep: what it keeps of the compute, and each stage's step with
+no communication. About 20 s."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ddp.config import Config
 from profiling.simulate import calibrate
 
 ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = [["naive", None], ["bucketed", 1e-6], ["overlapped", 1e6], ["drop_in", 1e6]]
 
 
 def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tmp_path):
@@ -26,6 +28,7 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
         "configs": {
             "mlp": dataclasses.asdict(Config(model="mlp", width=32, depth=2, batch_size=8))
         },
+        "layouts": {"mlp": LAYOUTS},
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -43,3 +46,47 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
     # When each was timed: four spells and the repeats in a row, from the first spell on.
     at = [t for t, _ in mlp["compute_spells_s"]]
     assert len(at) == 5 and at == sorted(at) and at[0] < 0.01 < at[-1]
+    # Every stage of the layouts stepped with no communication, on a group of its rank
+    # alone: drop_in's status rows, on a fake group of both ranks, would say the other
+    # rank's gradients were all missing and raise.
+    own = mlp["own_steps"]
+    assert [[stage, cap] for stage, cap, _, _ in own["layouts"]] == LAYOUTS
+    assert own["compute_s"] > 0 and all(step_s > 0 for _, _, step_s, _ in own["layouts"])
+
+
+SLOW_STAGE = """
+import json, sys, tempfile, time
+import torch.distributed as dist
+import stages
+from ddp.config import Config
+from ddp.train import ComputeOnly
+from profiling.simulate import calibrate
+
+class Slow(ComputeOnly):  # the compute, and 20 ms of the stage's own after backward
+    def __init__(self, module, *, process_group=None, bucket_cap_mb=None):
+        super().__init__(module, process_group=process_group)
+    def finish_gradient_synchronization(self):
+        time.sleep(0.020)
+
+stages._load = lambda: {"slow": Slow}
+store = dist.FileStore(tempfile.mkdtemp() + "/store", 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+cfg = Config(model="mlp", width=32, depth=2, batch_size=8)
+print(json.dumps(calibrate._own_steps(cfg, [["slow", 1e6]])))
+dist.destroy_process_group()
+"""
+
+
+def test_a_stages_own_time_is_its_step_less_the_compute_alone():
+    # A stage that is the compute and then sleeps 20 ms: its step, less the compute
+    # alone in the same rounds, is about those 20 ms at least (and not the other way round).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", SLOW_STAGE], capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = json.loads(done.stdout.splitlines()[-1])
+    [[stage, cap, step_s, extra_s]] = own["layouts"]
+    assert (stage, cap) == ("slow", 1e6)
+    assert 0.019 < extra_s < step_s and own["compute_s"] < step_s - 0.019

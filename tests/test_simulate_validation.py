@@ -608,6 +608,47 @@ def test_prediction_takes_the_models_own_copy_where_measured_by_hand():
     assert Calibration.from_json(data).model_copy_s_per_byte == {"m": 1e-5}
 
 
+def test_prediction_takes_each_stages_own_time_beyond_its_copies_by_hand():
+    # The two 400-byte gradients ready at backward's end, every collective 1 ms, a pass
+    # 1 us a byte (0.8 ms over both gradients); one bucket (bucketed, after backward):
+    # 10 + 20, then the copy in, the all-reduce and the copy out, then the optimizer:
+    # 30 + 0.8 + 1 + 0.8 + 5 = 37.6 ms. Timed with no communication, the stage's step
+    # took 3.6 ms beyond the compute: 2 ms beyond its two passes (1.6 ms), which go
+    # after backward: 39.6 ms. A layout timed faster than its copies adds nothing, one
+    # not timed nothing either, and naive's copies are one pass (its divide in place).
+    from profiling.simulate.calibrate import Calibration
+    from profiling.simulate.validate import predict
+
+    workload = two_gradients(0.020, 0.020, 0.0).workloads["m"]
+    own = [
+        ["bucketed", 1e6, 0.0, 0.0036],
+        ["overlapped", 1e6, 0.0, 0.001],
+        ["naive", None, 0.0, 0.0028],
+    ]
+    data = calibration_json(workload, {"m": {"own_steps": {"compute_s": 0.035, "layouts": own}}})
+    calibration = dataclasses.replace(
+        Calibration.from_json(data), cost=linear_cost(0.001, 0.0), copy_s_per_byte=1e-6
+    )
+    assert calibration.own_s("m", "bucketed", 1e6) == 0.0036
+    assert calibration.own_s("m", "drop_in", 1e6) == 0.0
+    assert calibration.own_s("other", "naive", None) == 0.0
+    step_ms = {
+        (stage, cap): predict(Run("m", "1gbit", 2, stage, cap), calibration)["predicted_ms"]
+        for stage, cap in [
+            ("bucketed", 1e6),
+            ("bucketed", 5.0),
+            ("overlapped", 1e6),
+            ("naive", None),
+        ]
+    }
+    assert step_ms == pytest.approx({
+        ("bucketed", 1e6): 39.6,  # 37.6 + (3.6 - 1.6)
+        ("bucketed", 5.0): 37.6,  # not timed
+        ("overlapped", 1e6): 37.6,  # 1 ms, less than its copies
+        ("naive", None): 35 + 2 + 0.8 + 2.0,  # two calls, one pass, 2.8 - 0.8
+    })  # fmt: skip
+
+
 def test_prediction_takes_the_models_own_call_cost_where_measured_by_hand():
     # Naive on the two 400-byte gradients: 10 + 20 ms of forward and backward, their
     # two all-reduces one after the other, then the optimizer's 5 ms. The cluster's
@@ -1041,9 +1082,13 @@ def test_each_model_is_calibrated_just_before_its_own_benchmark(tmp_path, monkey
     kept = json.loads((RESULTS / "simulate-validate-v.json").read_text())
     events, made = [], {}
 
-    def calibrate(rate, world_size, configs):
+    def calibrate(rate, world_size, configs, *, layouts):
         events.append(("calibrate", rate, world_size, tuple(configs)))
         (model,) = configs  # one model per calibration
+        # and every stage's step of its runs, to be timed with no communication
+        assert layouts == {model: [("naive", None)] + [
+            (stage, cap) for stage in validate.BUCKETED_STAGES for cap in validate.CAPS_MB[model]
+        ]}  # fmt: skip
         c = validate.calibration_for(kept["calibrations"], rate, world_size, model)
         made[model, rate, world_size] = {**c, "models": {model: c["models"][model]}}
         return made[model, rate, world_size]

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import statistics
 import sys
@@ -129,6 +130,7 @@ COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
 COPY_REPEATS = 20
 MAX_COMM_BYTES = 256 * 2**20
 BROADCAST_REPEATS = 30  # the buffers' broadcast: a fraction of a millisecond each
+OWN_REPEATS = 15  # rounds of every stage's step with no communication, each once a round
 SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
 SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
 SEQUENCE_REPEATS = 15
@@ -197,6 +199,14 @@ class Calibration:
     # model key -> seconds of its buffers' broadcast before forward, as a step makes it
     # (`_broadcast_buffers`; absent in calibrations made before it was measured)
     broadcast_buffers_s: dict[str, float] = field(default_factory=dict)
+    # model key -> (stage, cap_mb) -> seconds its step took beyond the compute alone with
+    # no communication (`_own_steps`; absent in calibrations made before it was measured)
+    own_steps_s: dict[str, dict[tuple[str, float | None], float]] = field(default_factory=dict)
+
+    def own_s(self, model: str, stage: str, cap_mb: float | None) -> float:
+        """What `stage` at `cap_mb` took beyond `model`'s compute with no communication,
+        where the calibration timed it; else 0."""
+        return self.own_steps_s.get(model, {}).get((stage, cap_mb), 0.0)
 
     def for_model(self, model: str) -> Calibration:
         """This calibration with `model`'s own figures where they were measured: its pass
@@ -251,6 +261,11 @@ class Calibration:
                 k: m["broadcast_buffers_s"]
                 for k, m in data["models"].items()
                 if "broadcast_buffers_s" in m
+            },
+            own_steps_s={
+                k: {(stage, cap): extra_s for stage, cap, _, extra_s in m["own_steps"]["layouts"]}
+                for k, m in data["models"].items()
+                if "own_steps" in m
             },
         )
 
@@ -465,9 +480,18 @@ def buffer_bytes(cfg: Config) -> list[int]:
 # - the driver ------------------------------------------------------------------------
 
 
-def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: float = 900) -> dict:
+def calibrate(
+    rate: str,
+    world_size: int,
+    configs: dict[str, Config],
+    timeout: float = 900,
+    *,
+    layouts: dict[str, list[tuple[str, float | None]]] | None = None,
+) -> dict:
     """Run `worker` on a fresh cluster of `world_size` ranks linked at `rate`; return its
-    measurements with the cost fit and the lanes (plain data; `Calibration.from_json`)."""
+    measurements with the cost fit and the lanes (plain data; `Calibration.from_json`).
+    `layouts`: per model key, the (stage, cap_mb) whose steps with no communication to
+    time (`_own_steps`; none if not given)."""
     from profiling.cluster.network import available
     from profiling.cluster.virtual_cluster import VirtualCluster
     from profiling.report import load_average
@@ -482,6 +506,7 @@ def calibrate(rate: str, world_size: int, configs: dict[str, Config], timeout: f
             "out": str(out),
             "sweep": SWEEP,
             "configs": {k: dataclasses.asdict(c) for k, c in configs.items()},
+            "layouts": {k: [list(v) for v in vs] for k, vs in (layouts or {}).items()},
         }
         with VirtualCluster(ranks=world_size, rate=rate) as cluster:
             code = cluster.run(
@@ -635,7 +660,8 @@ def worker(settings: dict) -> None:
         result["sequence"] = _sequence()
         spells.take()
         result["models"] = {
-            key: _model(cfg, largest_s / largest, spells, key) for key, cfg in configs.items()
+            key: _model(cfg, largest_s / largest, spells, key, settings.get("layouts", {}).get(key))
+            for key, cfg in configs.items()
         }
         if rank == 0:
             Path(settings["out"]).write_text(json.dumps(result))
@@ -846,6 +872,72 @@ def _broadcast_buffers(cfg: Config) -> float:
     return statistics.median(seconds[WARMUP:])
 
 
+def _own_steps(cfg: Config, layouts: list[list]) -> dict:
+    """Each stage's step with no communication at all, against the compute alone: every
+    [stage, cap_mb] of `layouts` and `ComputeOnly`, each built over a process group that
+    moves nothing (torch's fake backend: every collective returns at once, done), so
+    that what a stage's step takes beyond the compute's is its own: its hooks' and
+    bookkeeping's Python, and its passes over the gradients. Rank r's fake group is
+    [r] alone, so each stage sees a world of one (its status rows hold its own gradients
+    only). Interleaved, every layout once a round, in the benchmark's own step
+    (`ddp.train.train_step`), each from a barrier on the real group so that the ranks
+    share the cores as in the benchmark; of each round, the slowest rank's step, then
+    per layout the median over rounds of its step less that round's compute alone."""
+    import torch
+    import torch.distributed as dist
+
+    # Importing it registers torch's "fake" backend (a test utility torch ships).
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    from ddp.models import rank_model
+    from ddp.train import ComputeOnly, make_micro_batches, train_step
+    from stages import STAGES
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r], backend="fake") for r in range(world)]  # all make all
+    alone = groups[rank]
+    # --8<-- [start:own]
+    variants = [["compute_only", None], *layouts]
+    steps = []  # per variant: (the wrapped model, its optimizer, what ends its backward)
+    for stage, cap in variants:
+        model = rank_model(cfg, rank)
+        if stage == "compute_only":
+            wrapped = ComputeOnly(model, process_group=alone)
+        else:
+            options = {} if cap is None else {"bucket_cap_mb": cap}
+            wrapped = STAGES[stage](model, process_group=alone, **options)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
+        finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+        steps.append((wrapped, optimizer, finish))
+    device = torch.device("cpu")
+    seconds: list[list[float]] = [[] for _ in variants]
+    for k in range(WARMUP + OWN_REPEATS):
+        batches = make_micro_batches(steps[0][0].module, cfg, k, device)
+        for times, (wrapped, optimizer, finish) in zip(seconds, steps, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(wrapped, batches, optimizer, finish)
+            times.append(time.perf_counter() - start)
+    # --8<-- [end:own]
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    rows = [row[WARMUP:] for row in slowest.tolist()]
+    compute = rows[0]
+    own = [
+        [stage, cap, statistics.median(row), statistics.median(map(operator.sub, row, compute))]
+        for (stage, cap), row in zip(variants[1:], rows[1:], strict=True)
+    ]
+    _say(
+        f"{cfg.model}: each stage's step with no communication, beyond the compute alone "
+        f"({statistics.median(compute) * 1e3:.1f} ms): "
+        + ", ".join(
+            f"{stage}{'' if cap is None else f' {cap:g}'} {extra * 1e3:+.2f} ms"
+            for stage, cap, _, extra in own
+        )
+    )
+    return {"compute_s": statistics.median(compute), "layouts": own}
+
+
 def _sequence() -> dict:
     """Small all-reduces, per repeat the slowest rank's:
 
@@ -946,10 +1038,13 @@ def _sequence() -> dict:
     }
 
 
-def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
+def _model(
+    cfg: Config, s_per_byte: float, spells: Spells, key: str, layouts: list[list] | None = None
+) -> dict:
     """The compute of `cfg` on every rank at once, then backward again with an all-reduce
     in flight for all of it; the compute kept is these repeats and every spell of it
-    (`Spells`), pooled."""
+    (`Spells`), pooled; and, given `layouts` ([stage, cap_mb] each), those stages' steps
+    with no communication (`_own_steps`)."""
     import torch
     import torch.distributed as dist
 
@@ -1016,6 +1111,7 @@ def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
     copy_s_per_byte = _copy_after_backward(cfg)
     calls = _calls_after_backward(cfg)
     broadcast_s = _broadcast_buffers(cfg)
+    own = _own_steps(cfg, layouts) if layouts else None
     spells.take([key])  # the last spell, after this model's own figures
     # --8<-- [start:spells]
     # What predictions use: the alone repeats above and every spell's, pooled, so that
@@ -1056,6 +1152,7 @@ def _model(cfg: Config, s_per_byte: float, spells: Spells, key: str) -> dict:
         "comm_alone_s": alone_s,
         "calls_after_backward": calls,
         "broadcast_buffers_s": broadcast_s,
+        **({"own_steps": own} if own is not None else {}),
     }
 
 

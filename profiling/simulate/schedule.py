@@ -44,7 +44,11 @@ What a stage does with them (`StageSchedule`):
   all-reduce, and the average back out after it. After backward (bucketed), each
   bucket's copy in, all-reduce and copy out follow one another; overlapped, the copy in
   runs in backward's hook, so each gradient is ready that much later, and the copies
-  out run after backward, bucket by bucket, each once its all-reduce has ended.
+  out run after backward, bucket by bucket, each once its all-reduce has ended;
+- `own_s_per_grad`: the rest of what the stage's step takes beyond the compute with no
+  communication at all (its hooks' and bookkeeping's Python), per gradient, on the
+  compute lane: overlapped, in backward's hook, like the copy in; after backward, all
+  of it at once, before the first collective.
 
 Everything is in seconds. The schedule is exact for the model: tests check it against
 schedules worked out by hand.
@@ -140,6 +144,8 @@ class StageSchedule:
     # Passes over the gradients the stage makes itself, seconds per byte (0: none).
     copy_in_s_per_byte: float = 0.0
     copy_out_s_per_byte: float = 0.0
+    # The stage's own time beyond the compute and its copies, seconds per gradient.
+    own_s_per_grad: float = 0.0
 
 
 # --8<-- [start:simulate]
@@ -166,13 +172,16 @@ def simulate(
     copy_in, copy_out = schedule.copy_in_s_per_byte, schedule.copy_out_s_per_byte
     if schedule.overlap:
         t = _overlapped_backward(
-            step, t, _copying_in(workload, copy_in), buckets, cost, schedule,
+            step, t, _in_hooks(workload, copy_in, schedule.own_s_per_grad), buckets, cost,
+            schedule,
             slowdown, comm_slowdown,
             slowdown if latency_slowdown is None else latency_slowdown,
             comm_slowdown if comm_latency_slowdown is None else comm_latency_slowdown,
         )  # fmt: skip
     else:
         t = _compute(step, t, "backward", workload.backward_s)
+        if schedule.own_s_per_grad:
+            t = _compute(step, t, "stage", len(workload.grads) * schedule.own_s_per_grad)
         for index, members in enumerate(buckets):  # blocking, one after the other
             nbytes = sum(workload.grads[i].nbytes for i in members)
             if copy_in:
@@ -197,16 +206,17 @@ def _compute(step: Step, t: float, label: str, seconds: float, note: str = "") -
     return t + seconds
 
 
-def _copying_in(workload: Workload, s_per_byte: float) -> Workload:
+def _in_hooks(workload: Workload, s_per_byte: float, s_per_grad: float = 0.0) -> Workload:
     """The workload as an overlapped stage's backward sees it when its hook copies each
-    gradient into its bucket: every gradient later by the copies of all ready by then,
-    its own included, and backward longer by all of them."""
-    if not s_per_byte:
+    gradient into its bucket (`s_per_byte`) and does its own work (`s_per_grad`): every
+    gradient later by the hooks of all ready by then, its own included, and backward
+    longer by all of them."""
+    if not s_per_byte and not s_per_grad:
         return workload
     order = sorted(range(len(workload.grads)), key=lambda i: workload.grads[i].ready_s)
     later, copied = {}, 0.0
     for i in order:
-        copied += workload.grads[i].nbytes * s_per_byte
+        copied += workload.grads[i].nbytes * s_per_byte + s_per_grad
         later[i] = copied
     grads = tuple(
         Grad(g.name, g.nbytes, g.ready_s + later[i]) for i, g in enumerate(workload.grads)

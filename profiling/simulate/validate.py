@@ -154,12 +154,18 @@ def asynchronous_schedule(calibration: Calibration) -> StageSchedule:
 
 
 def layout(
-    stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
+    stage: str,
+    workload: Workload,
+    cap_mb: float | None,
+    calibration: Calibration,
+    own_s: float = 0.0,
 ) -> tuple[list[list[int]], StageSchedule]:
     """(buckets, StageSchedule) of `stage` at `cap_mb` for this workload, with the
     calibration's busy launch and copies, on one lane: the stages use one process
     group, and the calibration's trickle, run on one, holds what Gloo's second thread
-    overlaps in its slowdowns."""
+    overlaps in its slowdowns. `own_s`: what the stage's step took beyond the compute
+    with no communication (`Calibration.own_s`); what its copies do not account for
+    goes to each gradient's hook."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
@@ -167,10 +173,14 @@ def layout(
     # average back (drop_in too: the benchmark leaves gradient_as_bucket_view off);
     # naive all-reduces the gradient itself, then divides it in place.
     copy = calibration.copy_s_per_byte
-    copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy}
-    asynchronous = asynchronous_schedule(calibration)
+    passes = 1 if stage == "naive" else 2
+    nbytes = sum(g.nbytes for g in workload.grads)
+    # Never below nothing: a stage timed faster than the compute is the machine's noise.
+    own = {"own_s_per_grad": max(0.0, own_s - passes * nbytes * copy) / len(workload.grads)}
+    copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy, **own}
+    asynchronous = replace(asynchronous_schedule(calibration), **own)
     if stage == "naive":
-        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy)
+        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy, **own)
         return per_parameter(workload), schedule
     if stage == "bucketed":
         return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False, **copies)
@@ -218,7 +228,8 @@ def predict(run: Run, calibration: Calibration) -> dict:
             forward_s=workload.forward_s + broadcast_s,
             optimizer_s=workload.optimizer_s + status_s,
         )
-    buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration)
+    own_s = calibration.own_s(run.model, run.stage, run.cap_mb)
+    buckets, schedule = layout(run.stage, workload, run.cap_mb, calibration, own_s)
     step = simulate(
         workload, buckets, calibration.cost, schedule, **calibration.contention(run.model)
     )
@@ -780,12 +791,15 @@ def run(args: argparse.Namespace) -> None:
                           file=sys.stderr, flush=True)  # fmt: skip
                     t0 = time.perf_counter()
                     cfg = {model: configs[model]}
-                    data["calibrations"].append(_twice(calibrate, rate, world, cfg))
+                    mine = [r for r in runs if r.group == (model, rate, world)]
+                    # and every stage's step of its runs with no communication
+                    layouts = {model: [(r.stage, r.cap_mb) for r in mine]}
+                    calibrated = _twice(calibrate, rate, world, cfg, layouts=layouts)
+                    data["calibrations"].append(calibrated)
                     calibrating_s += time.perf_counter() - t0
                     calibration = Calibration.from_json(data["calibrations"][-1])
 
                     # 2. Predict its runs, and show the predictions before any is measured.
-                    mine = [r for r in runs if r.group == (model, rate, world)]
                     predictions = [
                         {**r.to_json(), **predict(r, calibration)}
                         for r in sorted(
@@ -833,15 +847,15 @@ def _bench(command: list[str], path: str) -> list[dict]:
     return json.loads(Path(path).read_text())["workloads"]
 
 
-def _twice(measure, *args):
-    """`measure(*args)`, and once more if it fails: on a machine shared with others' jobs, a
-    cluster's run now and then dies of something not its own (a node killed from outside).
-    A second failure stops the command."""
+def _twice(measure, *args, **kwargs):
+    """`measure(*args, **kwargs)`, and once more if it fails: on a machine shared with
+    others' jobs, a cluster's run now and then dies of something not its own (a node
+    killed from outside). A second failure stops the command."""
     try:
-        return measure(*args)
+        return measure(*args, **kwargs)
     except SystemExit as failure:
         print(f"{failure}; trying once more", file=sys.stderr, flush=True)
-        return measure(*args)
+        return measure(*args, **kwargs)
 
 
 def _report(data: dict, args: argparse.Namespace) -> None:
