@@ -64,7 +64,10 @@ running `worker` (this module under torchrun), which measures, in this order:
    again where a step issues its calls, right after that model's backward
    (`_calls_after_backward`): the model's own `call_s`, what its predictions use; and
    the broadcast of its buffers (`_broadcast_buffers`), which the stages with
-   broadcast_buffers make before each forward.
+   broadcast_buffers make before each forward;
+6. per model, given the runs' layouts, each stage's step at each cap with nothing
+   communicated, over a fake process group of the rank alone, against the compute
+   alone in the same rounds (`_own_steps`): what the stage's own Python costs a step.
 
 Rank 0 writes all of it as JSON; `calibrate` fits the cost and returns plain data (what
 the validation's JSON keeps), which `Calibration.from_json` turns into model inputs.
@@ -896,7 +899,7 @@ def _own_steps(cfg: Config, layouts: list[list]) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([r], backend="fake") for r in range(world)]  # all make all
     alone = groups[rank]
-    # --8<-- [start:own]
+    # --8<-- [start:own_steps]
     variants = [["compute_only", None], *layouts]
     steps = []  # per variant: (the wrapped model, its optimizer, what ends its backward)
     for stage, cap in variants:
@@ -918,7 +921,7 @@ def _own_steps(cfg: Config, layouts: list[list]) -> dict:
             start = time.perf_counter()
             train_step(wrapped, batches, optimizer, finish)
             times.append(time.perf_counter() - start)
-    # --8<-- [end:own]
+    # --8<-- [end:own_steps]
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rows = [row[WARMUP:] for row in slowest.tolist()]

@@ -10,7 +10,8 @@
 
 In order, for every (rate, world size) of the grid and every model: calibrate that
 model on a fresh cluster (`calibrate`: the all-reduce cost, whether two collectives
-overlap, the model's compute and its slowdown under communication); then predict its
+overlap, the model's compute and its slowdown under communication, and what each stage
+of its runs takes beyond the compute with nothing communicated); then predict its
 runs there and print the predictions; only then measure them, with one
 `profiling.bench` invocation: every stage at every bucket cap interleaved in the same
 rounds (`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep
@@ -656,6 +657,7 @@ def markdown(data: dict) -> str:
             left=2,
         )
     )
+    parts += _own_steps_table(data["calibrations"])
     parts += ["", "**Predicted against measured** (noise: the spread of the round medians):", ""]
     body = []
     for r in a["rows"]:
@@ -845,6 +847,36 @@ def _bench(command: list[str], path: str) -> list[dict]:
             f"profiling.simulate: the benchmark failed (exit {code}): {' '.join(command)}"
         )
     return json.loads(Path(path).read_text())["workloads"]
+
+
+def _own_steps_table(calibrations: list[dict]) -> list[str]:
+    """The markdown lines of each stage's own time as the calibrations timed it (none
+    for calibrations made before it was): ms beyond the compute, by cap."""
+    from profiling.report import markdown_table
+
+    rows = []
+    for c in calibrations:
+        for key, m in c["models"].items():
+            if "own_steps" not in m:
+                continue
+            by_stage: dict[str, list[str]] = {}
+            for stage, _cap, _, extra_s in m["own_steps"]["layouts"]:
+                by_stage.setdefault(stage, []).append(f"{extra_s * 1e3:+.1f}")
+            rows.append(
+                [f"{c['rate']} x{c['world_size']}", key, f"{m['own_steps']['compute_s'] * 1e3:.1f}"]
+                + [" / ".join(by_stage.get(stage, ["-"])) for stage in STAGES]
+            )
+    if not rows:
+        return []
+    caps = "; ".join(f"{model} {' / '.join(f'{c:g}' for c in CAPS_MB[model])}" for model in CAPS_MB)
+    return [
+        "",
+        "**Each stage's own time**, ms beyond the compute alone with nothing communicated "
+        f"(`calibrate._own_steps`), at each cap in turn (MiB: {caps}); the model adds what "
+        "the copies leave of it:",
+        "",
+        markdown_table(["cluster", "model", "compute alone ms", *STAGES], rows, left=2),
+    ]
 
 
 def _twice(measure, *args, **kwargs):
