@@ -1,6 +1,6 @@
 """Predictions against the virtual cluster: predict a grid of runs, then measure them.
 
-    python -m profiling.simulate validate --quick      # 13 runs, about 6 minutes
+    python -m profiling.simulate validate --quick      # 13 runs, about 3 minutes
     python -m profiling.simulate validate --json docs/results/simulate-validate.json \\
         --markdown docs/results/simulate-validate.md     # the whole grid
     python -m profiling.simulate validate --render docs/results/simulate-validate.json \\
@@ -727,7 +727,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="only the MLP at 1gbit on 2 ranks: 13 runs in about 6 minutes",
+        help="only the MLP at 1gbit on 2 ranks: 13 runs in about 3 minutes",
     )
     parser.add_argument("--json", help="write calibration, predictions, measurements here")
     parser.add_argument("--markdown", help="write the table as a fragment for the docs")
