@@ -821,6 +821,10 @@ def test_torchs_default_layout_against_uniform_caps_by_hand():
     assert r["caps_ms"] == pytest.approx({1.5: 50.0, 2.0: 50.0, 1e6: 67.5}, abs=1e-3)
     assert (r["best_cap_mb"], r["tied_caps_mb"]) == (2.0, [1.5, 2.0])
     assert r["gain_pct"] == pytest.approx(100 / 11, abs=1e-2)
+    # A calibration that timed the drop-in's own step at 2 MiB timed it on its own
+    # shape, not this one: the caps come out the same.
+    timed = dataclasses.replace(calibration, own_steps_s={"m": {("drop_in", 2.0): 0.010}})
+    assert default_against_caps(workload, timed, (1.5, 2.0, 1e6), model="m") == r
     assert parse_shape("512x20X512") == Shape(512, 20, 512)
     with pytest.raises(ValueError, match="shape '512x20'"):
         parse_shape("512x20")

@@ -74,7 +74,10 @@ def default_against_caps(
     from profiling.simulate.validate import Run, asynchronous_schedule, buffer_broadcast_s, predict
 
     calibration = replace(
-        calibration, workloads={**calibration.workloads, model: workload}
+        calibration,
+        workloads={**calibration.workloads, model: workload},
+        # A stage's own time was timed on the calibration's shape, not on this one.
+        own_steps_s={},
     ).for_model(model)  # the copies too: torch's step and the drop-in's alike
     # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
     # status rows (the drop-in's predict adds both).
