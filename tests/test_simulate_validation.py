@@ -1000,13 +1000,15 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
         "simulate-validate-y",
         "simulate-validate-z",
         "simulate-validate-z2",
+        "simulate-validate-z3",
         "simulate-validate-quick",
         "simulate-validate-quick-x",
+        "simulate-validate-quick-z2",
     ],
 )
 def test_refit_reproduces_the_kept_calibrations(name):
-    # Runs X, Y, Z and Z2, and the quick runs after X and Z2, were fitted by the code as
-    # it is:
+    # Runs X, Y, Z, Z2 and Z3, and the quick runs after X, Z2 and Z3, were fitted by the
+    # code as it is:
     # fitted again from their own measurements, every calibration comes out the same,
     # key for key.
     from profiling.simulate.calibrate import refit
