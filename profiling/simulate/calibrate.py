@@ -882,62 +882,55 @@ def _own_steps(cfg: Config, layouts: list[list]) -> dict:
     that what a stage's step takes beyond the compute's is its own: its hooks' and
     bookkeeping's Python, and its passes over the gradients. Rank r's fake group is
     [r] alone, so each stage sees a world of one (its status rows are one row, not W).
-    Interleaved as the benchmark's rounds are: every layout in turn, the order rotated
-    by one a round, each two steps of the benchmark's own (`ddp.train.train_step`), the
-    first untimed, each from a barrier on the real group so that the ranks share the
-    cores as in the benchmark; of each round, the slowest rank's timed step, then per
-    layout the median over rounds of its step less that round's compute alone. What
-    a fake collective costs to call (its Python and c10d dispatch, about 4 us on the
-    machine here) stays in, where the model's cost of a call holds it too."""
+    Built and stepped by the benchmark's own `build_variant` and `step` (each step from
+    a barrier on the real group, so that the ranks share the cores as in the
+    benchmark), interleaved as its rounds are: every layout in turn, the order rotated
+    by one a round, two steps each, the first untimed; of each round, the slowest
+    rank's timed step, then per layout the median over rounds of its step less that
+    round's compute alone. What a fake collective costs to call (its Python and c10d
+    dispatch, about 4 us on the machine here) stays in, where the model's cost of a
+    call holds it too."""
     import torch
     import torch.distributed as dist
 
     # Importing it registers torch's "fake" backend (a test utility torch ships).
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-    from ddp.models import rank_model
-    from ddp.train import ComputeOnly, make_micro_batches, train_step
+    from ddp.train import ComputeOnly
+    from profiling.bench.options import FLOOR
+    from profiling.bench.variants import build_variant, make_batches, step
     from stages import STAGES
 
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([r], backend="fake") for r in range(world)]  # all make all
     alone = groups[rank]
-    # --8<-- [start:own_steps]
-    variants = [["compute_only", None], *layouts]
-    steps = []  # per variant: (the wrapped model, its optimizer, what ends its backward)
-    for stage, cap in variants:
-        model = rank_model(cfg, rank)
-        if stage == "compute_only":
-            wrapped = ComputeOnly(model, process_group=alone)
-        else:
-            options = {} if cap is None else {"bucket_cap_mb": cap}
-            wrapped = STAGES[stage](model, process_group=alone, **options)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=0.9)
-        finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
-        steps.append((wrapped, optimizer, finish))
     device = torch.device("cpu")
-    seconds: list[list[float]] = [[] for _ in variants]
+
+    def wrap(stage: str, cap: float | None) -> Callable:
+        if stage == FLOOR:
+            return lambda model, _: ComputeOnly(model, process_group=alone)
+        options = {} if cap is None else {"bucket_cap_mb": cap}
+        return lambda model, _: STAGES[stage](model, process_group=alone, **options)
+
+    # --8<-- [start:own_steps]
+    timed = [[FLOOR, None], *layouts]
+    variants = [build_variant(stage, wrap(stage, cap), cfg, device) for stage, cap in timed]
     for k in range(WARMUP + OWN_REPEATS):
-        batches = [make_micro_batches(steps[0][0].module, cfg, 2 * k + i, device) for i in (0, 1)]
+        batches = make_batches(variants[0].model, cfg, 2 * k, 2, device)
         shift = k % len(variants)  # the order rotated by one a round, as the benchmark's
-        for v in [*range(shift, len(variants)), *range(shift)]:
-            wrapped, optimizer, finish = steps[v]
+        for variant in variants[shift:] + variants[:shift]:
             # One step untimed first: the first after a switch pays for the one before
             # having pushed this one's memory out of cache (the benchmark drops it too).
-            for i, micro_batches in enumerate(batches):
-                dist.barrier()
-                start = time.perf_counter()
-                train_step(wrapped, micro_batches, optimizer, finish)
-                if i == 1:
-                    seconds[v].append(time.perf_counter() - start)
+            step(variant, batches[0], device)
+            variant.step_times_s.append(step(variant, batches[1], device)[0])
     # --8<-- [end:own_steps]
-    slowest = torch.tensor(seconds, dtype=torch.float64)
+    slowest = torch.tensor([v.step_times_s for v in variants], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rows = [row[WARMUP:] for row in slowest.tolist()]
     compute = rows[0]
     own = [
         [stage, cap, statistics.median(row), statistics.median(map(operator.sub, row, compute))]
-        for (stage, cap), row in zip(variants[1:], rows[1:], strict=True)
+        for (stage, cap), row in zip(layouts, rows[1:], strict=True)
     ]
     _say(
         f"{cfg.model}: each stage's step with no communication, beyond the compute alone "

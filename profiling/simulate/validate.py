@@ -167,6 +167,18 @@ def layout(
     overlaps in its slowdowns. `own_s`: what the stage's step took beyond the compute
     with no communication (`Calibration.own_s`); what its copies do not account for
     goes to each gradient's hook."""
+    buckets, schedule = _layout(stage, workload, cap_mb, calibration)
+    # Never below nothing: a stage timed faster than its copies is the machine's noise.
+    nbytes = sum(g.nbytes for g in workload.grads)
+    copies_s = nbytes * (schedule.copy_in_s_per_byte + schedule.copy_out_s_per_byte)
+    own_s_per_grad = max(0.0, own_s - copies_s) / len(workload.grads)
+    return buckets, replace(schedule, own_s_per_grad=own_s_per_grad)
+
+
+def _layout(
+    stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
+) -> tuple[list[list[int]], StageSchedule]:
+    """`layout` before the stage's own time: its buckets, and its copies as it makes them."""
     from profiling.simulate.layouts import per_parameter, uniform_buckets
     from profiling.simulate.schedule import StageSchedule
 
@@ -174,14 +186,10 @@ def layout(
     # average back (drop_in too: the benchmark leaves gradient_as_bucket_view off);
     # naive all-reduces the gradient itself, then divides it in place.
     copy = calibration.copy_s_per_byte
-    passes = 1 if stage == "naive" else 2
-    nbytes = sum(g.nbytes for g in workload.grads)
-    # Never below nothing: a stage timed faster than the compute is the machine's noise.
-    own = {"own_s_per_grad": max(0.0, own_s - passes * nbytes * copy) / len(workload.grads)}
-    copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy, **own}
-    asynchronous = replace(asynchronous_schedule(calibration), **own)
+    copies = {"copy_in_s_per_byte": copy, "copy_out_s_per_byte": copy}
+    asynchronous = asynchronous_schedule(calibration)
     if stage == "naive":
-        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy, **own)
+        schedule = StageSchedule(overlap=False, copy_out_s_per_byte=copy)
         return per_parameter(workload), schedule
     if stage == "bucketed":
         return uniform_buckets(workload, cap_mb), StageSchedule(overlap=False, **copies)
