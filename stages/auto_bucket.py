@@ -17,11 +17,13 @@ bucket was proposed upstream but not merged).
 The model proposes; a measurement decides. The model leaves out what costs most on a
 machine whose cores both compute and communicate (each bucket's launch, and backward
 slowed while an all-reduce runs), so its best is a short list, not an answer: the cut,
-the best uniform cap and its two neighbours, and the default cap. The next steps try
-each in turn (`TRIAL_ROUNDS` rounds; in each, every layout for one step to settle and
-one timed, from forward to the next synchronised forward), and the buckets are rebuilt,
-for good, with the layout whose slowest rank's median step was shortest. Horovod's
-autotuner also measures rather than trusts a model.
+the best uniform cap and its two neighbours, and the default cap, each distinct layout
+once. The next steps try each in turn (rounds enough for about `TRIAL_SECONDS` of
+steps, `TRIAL_ROUNDS` to `MAX_TRIAL_ROUNDS`; in each, every layout for one step to
+settle and one timed, from forward to the next synchronised forward), and the buckets
+are rebuilt, for good, with the layout whose slowest rank's median step was shortest,
+or one with fewer buckets measured within `TRIAL_TIE` of it. Horovod's autotuner also
+measures rather than trusts a model.
 
     model = AutoBucketDDP(model, bucket_cap_mb="auto")
     ...  # after a few dozen steps: model.auto_bucket_choice["bucket_sizes_bytes"]
@@ -31,11 +33,14 @@ autotuner also measures rather than trusts a model.
 The model is simple on purpose: a collective starts when its bucket is full and the
 previous one is done, and takes `latency + bytes x seconds-per-byte`. Cost: a few
 all-reduces once; the first steps run with the default cap, and up to
-2 x TRIAL_ROUNDS x 5 steps with layouts on trial.
+2 x MAX_TRIAL_ROUNDS x 5 steps (short steps) or 2 x TRIAL_ROUNDS x 5 (long ones) with
+layouts on trial.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -50,7 +55,16 @@ from stages.join import JoinDDP
 
 CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6: one bucket
 NEAR_TIE = 0.01  # layouts predicted within 1% of the best are ties: the fewest buckets win
-TRIAL_ROUNDS = 5  # rounds of trial steps: every layout on trial, one timed step each
+TRIAL_ROUNDS = 5  # rounds of trial steps at least: every layout on trial, one timed step each
+# Short steps are noisy and cheap: rounds are added until the trial's steps take about
+# this many seconds (at the step time measured before it), up to MAX_TRIAL_ROUNDS. On
+# two shared cores a 7 ms step ranged 3-12 ms from one step to the next: a median of 20
+# still moved by 30% from one trial to the next.
+TRIAL_SECONDS = 10.0
+MAX_TRIAL_ROUNDS = 200
+# Layouts measured within this fraction of the fastest are ties the trial cannot split
+# (a median of a few noisy steps); the fewest buckets win, as in the model's NEAR_TIE.
+TRIAL_TIE = 0.02
 DEFAULT_CAP_MB = 25.0  # torch's bucket_cap_mb=None
 
 
@@ -79,9 +93,11 @@ class AutoBucketDDP(JoinDDP):
         self._cut_sizes: list[int] | None = None  # the model's buckets, in parameters
         self._order: list[int] = []  # the replayed ready order, the same on every rank
         self._trials: list[Layout] = []  # on trial, in turn; empty once decided
+        self._trial_buckets: list[int] = []  # per layout on trial, how many buckets it has
+        self._trial_rounds = TRIAL_ROUNDS  # decided with the shortlist, the same everywhere
         self._trial_step = 0  # synchronised forwards since the trials began
         self._trial_seconds: list[list[float]] = []  # per layout on trial, its timed steps
-        self._step_start = 0.0  # perf_counter() at this synchronised forward
+        self._step_start = 0.0  # _trial_clock() at this synchronised forward
 
     # --8<-- [end:construction]
 
@@ -93,6 +109,8 @@ class AutoBucketDDP(JoinDDP):
             self._choose_bucket_cap()
         if self._trials:
             self._next_trial()
+        elif self.auto_bucket and self.auto_bucket_choice is None:
+            self._step_start = self._trial_clock()  # a step before the choice starts
 
     @property
     def auto_bucket_pending(self) -> bool:
@@ -101,7 +119,8 @@ class AutoBucketDDP(JoinDDP):
 
     def _choose_bucket_cap(self) -> None:
         n = len(self.named_trainable)
-        measured = torch.zeros(n + 2, dtype=torch.float64)
+        measured = torch.zeros(n + 3, dtype=torch.float64)
+        measured[n + 2] = self._trial_clock() - self._step_start  # the step that just ended
         clock = self._clock
         clock.wait()
         for k, mark in self._ready_marks.items():  # seconds since the first gradient
@@ -109,7 +128,7 @@ class AutoBucketDDP(JoinDDP):
         measured[n], measured[n + 1] = self._time_allreduce()
         measured = measured.to(self._collective_device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
-        ready_s, (latency_s, s_per_byte) = measured[:n].tolist(), measured[n:].tolist()
+        ready_s, (latency_s, s_per_byte, step_s) = measured[:n].tolist(), measured[n:].tolist()
         order = sorted(range(n), key=lambda k: ready_s[k])
         self.auto_bucket_choice, _ = choose_layout(
             [self.named_trainable[k] for k in order],
@@ -120,9 +139,29 @@ class AutoBucketDDP(JoinDDP):
             sparse=self._sparse,
         )
         self._order = order  # the replayed order: the same everywhere
-        self._trials = trial_layouts(self.auto_bucket_choice, self.first_bucket_cap_mb)
+        # Each distinct layout once: on a small model several caps give the same buckets
+        # (every cap above its size, one bucket), and a second try of one layout would
+        # only take steps from the others.
+        named = [self.named_trainable[k] for k in order]
+        distinct: dict[tuple, tuple[Layout, int]] = {}
+        for layout in trial_layouts(self.auto_bucket_choice, self.first_bucket_cap_mb):
+            members = self._members(layout, named)
+            key = tuple(tuple(id(p) for _, p in m) for m in members)
+            distinct.setdefault(key, (layout, len(members)))
+        self._trials = [layout for layout, _ in distinct.values()]
+        self._trial_buckets = [buckets for _, buckets in distinct.values()]
+        # One layout alone has nothing to be measured against: built at once.
+        one = len(self._trials) == 1
+        self._trial_rounds = 0 if one else trial_rounds(step_s, len(self._trials))
         self._trial_seconds = [[] for _ in self._trials]
         self._trial_step = 0
+
+    def _members(self, layout: Layout, named: Members) -> list[Members]:
+        """The buckets `layout` makes of `named` (the parameters in the replayed order), as
+        `_build` would build them."""
+        if layout.cut_sizes is not None:
+            return _runs(named, layout.cut_sizes)
+        return super()._rebuilt_layout(named, layout.bucket_cap_mb, layout.first_bucket_cap_mb)
 
     def _build(self, layout: Layout) -> None:
         """Rebuild the buckets as `layout`, in the replayed ready order (every rank)."""
@@ -138,7 +177,7 @@ class AutoBucketDDP(JoinDDP):
         k, step = divmod(self._trial_step, 2)  # step 0: settle after the rebuild; 1: timed
         if self._trial_step > 0 and step == 0:  # the step since the last forward was timed
             self._trial_seconds[(k - 1) % len(self._trials)].append(now - self._step_start)
-        if k == TRIAL_ROUNDS * len(self._trials):
+        if k == self._trial_rounds * len(self._trials):
             self._decide()
             return
         if step == 0:
@@ -155,14 +194,18 @@ class AutoBucketDDP(JoinDDP):
         return DeviceClock(self._collective_device)
 
     def _decide(self) -> None:
-        # The slowest rank's median per layout, so that every rank decides alike.
-        medians = torch.tensor(
-            [statistics.median(s) for s in self._trial_seconds],
-            dtype=torch.float64,
-            device=self._collective_device,
-        )
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
-        best = int(torch.argmin(medians).item())
+        if self._trial_rounds:
+            # The slowest rank's median per layout, so that every rank decides alike.
+            slowest = torch.tensor(
+                [statistics.median(s) for s in self._trial_seconds],
+                dtype=torch.float64,
+                device=self._collective_device,
+            )
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.process_group)
+            medians: list[float | None] = slowest.tolist()
+            best = pick_trial(slowest.tolist(), self._trial_buckets)
+        else:  # one layout alone, not timed
+            medians, best = [None], 0
         winner = self._trials[best]
         self._build(winner)
         self.auto_bucket_choice.update(
@@ -171,9 +214,10 @@ class AutoBucketDDP(JoinDDP):
             bucket_sizes_bytes=[
                 sum(p.numel() * p.element_size() for p in b.params) for b in self.buckets
             ],
+            trial_rounds=self._trial_rounds,
             trials=[
-                {"layout": t.name, "measured_step_s": m}
-                for t, m in zip(self._trials, medians.tolist(), strict=True)
+                {"layout": t.name, "buckets": b, "measured_step_s": m}
+                for t, b, m in zip(self._trials, self._trial_buckets, medians, strict=True)
             ],
         )
         self._trials = []
@@ -183,11 +227,7 @@ class AutoBucketDDP(JoinDDP):
     ) -> list[Members]:
         if self._cut_sizes is None:  # before the choice, or a uniform cap
             return super()._rebuilt_layout(named, bucket_cap_mb, first_bucket_cap_mb)
-        plan, start = [], 0
-        for size in self._cut_sizes:  # the model's buckets: runs of the ready order
-            plan.append(named[start : start + size])
-            start += size
-        return plan
+        return _runs(named, self._cut_sizes)
 
     def _time_allreduce(self) -> tuple[float, float]:
         """(fixed seconds per all-reduce, seconds per byte), from this rank's view."""
@@ -220,6 +260,12 @@ class AutoBucketDDP(JoinDDP):
         super()._mark_ready(bucket, i, grad)
 
     # --8<-- [end:backward]
+
+
+def _runs(named: Members, sizes: list[int]) -> list[Members]:
+    """The model's buckets: runs of `sizes` consecutive parameters of the ready order."""
+    starts = [0, *itertools.accumulate(sizes)]
+    return [named[a:b] for a, b in itertools.pairwise(starts)]
 
 
 @dataclass(frozen=True)
@@ -256,6 +302,25 @@ def trial_layouts(choice: dict, first_bucket_cap_mb: float | None) -> list[Layou
     for layout in layouts:
         unique.setdefault(layout.name, layout)
     return list(unique.values())
+
+
+def trial_rounds(step_s: float, layouts: int) -> int:
+    """How many rounds the trial runs, given the step time measured before it (the
+    slowest rank's, so the same on every rank) and the layouts on trial: enough for
+    about TRIAL_SECONDS of steps (two a layout a round), within TRIAL_ROUNDS and
+    MAX_TRIAL_ROUNDS."""
+    wanted = math.ceil(TRIAL_SECONDS / (2 * layouts * step_s)) if step_s > 0 else MAX_TRIAL_ROUNDS
+    return min(MAX_TRIAL_ROUNDS, max(TRIAL_ROUNDS, wanted))
+
+
+def pick_trial(medians_s: list[float], buckets: list[int]) -> int:
+    """Which layout on trial to build, given each one's median step and bucket count:
+    of those measured within TRIAL_TIE of the fastest, the one with the fewest buckets
+    (the faster of equals). The trial's medians of a few steps cannot split layouts
+    closer than that, and each bucket more costs the machine something every step."""
+    fastest = min(medians_s)
+    near = [k for k, m in enumerate(medians_s) if m <= fastest * (1 + TRIAL_TIE)]
+    return min(near, key=lambda k: (buckets[k], medians_s[k]))
 
 
 # --8<-- [end:trials]

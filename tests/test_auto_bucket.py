@@ -5,6 +5,8 @@ hand; bad options raise."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,18 +14,45 @@ from torch import nn
 
 import stages.auto_bucket
 from stages import STAGES
-from stages.auto_bucket import CANDIDATES_MB, TRIAL_ROUNDS, Layout, choose_layout, trial_layouts
+from stages.auto_bucket import (
+    CANDIDATES_MB,
+    MAX_TRIAL_ROUNDS,
+    TRIAL_ROUNDS,
+    Layout,
+    choose_layout,
+    pick_trial,
+    trial_layouts,
+    trial_rounds,
+)
 from tests.adapters import build_wrapper, stages_from
 from tests.compare import assert_same_steps, ours_and_torchs, run_checked, sgd_steps, tolerance
 from tests.models import Layers, Wide
 
 # Two steps before the choice, then two per layout on trial per round (at most 5
-# layouts), then one with the layout decided.
+# layouts; the fewest rounds, under `fewest_rounds`), then one with the layout decided.
 AUTO_STEPS = 2 + 2 * TRIAL_ROUNDS * 5 + 1
 
 
+@contextmanager
+def fewest_rounds():
+    """No seconds of trial wanted: TRIAL_ROUNDS rounds, however short the steps (steps of
+    a few ms would run for MAX_TRIAL_ROUNDS)."""
+    seconds = stages.auto_bucket.TRIAL_SECONDS
+    stages.auto_bucket.TRIAL_SECONDS = 0.0
+    try:
+        yield
+    finally:
+        stages.auto_bucket.TRIAL_SECONDS = seconds
+
+
 def train_auto(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
-    """([(gradients, parameters)] per step, [choice after each step], bucket layout)."""
+    """([(gradients, parameters)] per step, [choice after each step], bucket layout), with
+    the fewest rounds of trial."""
+    with fewest_rounds():
+        return _train_auto(rank, group, wrapper)
+
+
+def _train_auto(rank: int, group: dist.ProcessGroup, wrapper: str) -> tuple:
     torch.manual_seed(1000 * rank + 1)
     model = Wide()
     cap_mb = None if wrapper == "torch_ddp" else "auto"  # torch's default cap
@@ -58,12 +87,19 @@ def test_auto_bucket_cap_agreed_and_as_torch(pool, stage: str) -> None:
     built = [sum(params[n.removeprefix("module.")].numel() * 4 for n in names) for names in layout0]
     assert choice["bucket_sizes_bytes"] == built, (choice, layout0)
     assert choice["layout"] in ("cut", "uniform"), choice
-    # The layout built is the one measured fastest on trial (the slowest rank's median).
+    # The layout built is the one pick_trial takes from the trial's medians (the slowest
+    # rank's): the fastest, or fewer buckets within TRIAL_TIE of it.
     trials = choice["trials"]
-    assert 3 <= len(trials) <= 5, trials
-    fastest = min(trials, key=lambda t: t["measured_step_s"])["layout"]
-    assert fastest in ("cut", f"uniform {choice['bucket_cap_mb']:g}"), (fastest, choice)
-    assert (fastest == "cut") == (choice["layout"] == "cut"), (fastest, choice)
+    assert 1 <= len(trials) <= 5, trials
+    assert len({t["layout"] for t in trials}) == len(trials), trials
+    # (The model's cut can be the one uniform layout: then one layout, built untimed.)
+    rounds = TRIAL_ROUNDS if len(trials) > 1 else 0
+    assert choice["trial_rounds"] == rounds, choice
+    times, buckets = [t["measured_step_s"] for t in trials], [t["buckets"] for t in trials]
+    picked = trials[pick_trial(times, buckets) if rounds else 0]
+    assert picked["layout"] in ("cut", f"uniform {choice['bucket_cap_mb']:g}"), (picked, choice)
+    assert (picked["layout"] == "cut") == (choice["layout"] == "cut"), (picked, choice)
+    assert picked["buckets"] == len(layout0), (picked, layout0)
     for rank, ((ours, choices, layout), (torchs, _, _)) in enumerate(runs):
         # Every rank computes the choice from the same (all-reduced) timings, so the
         # whole record, measured figures included, is the same.
@@ -187,33 +223,114 @@ def test_trial_layouts_model_pick_first_then_the_others_once() -> None:
     assert names == ["cut", "uniform 1e+06", "uniform 100", "uniform 25"]
 
 
+def test_trial_rounds_fill_the_trial_seconds_within_the_bounds() -> None:
+    # TRIAL_SECONDS = 10 s of steps, two per layout a round: 5 layouts of 0.1 s steps
+    # take 1 s a round, so 10 rounds; of 1 s steps, 1 round wanted, 5 at least; of 5 ms
+    # steps, 200; of 1 ms steps, 1000 wanted, 200 at most.
+    assert trial_rounds(0.1, 5) == 10
+    assert trial_rounds(0.3, 2) == 9  # ceil(10 / 1.2)
+    assert trial_rounds(1.0, 5) == TRIAL_ROUNDS == 5
+    assert trial_rounds(0.005, 5) == 200
+    assert trial_rounds(0.001, 5) == MAX_TRIAL_ROUNDS == 200
+    assert trial_rounds(0.0, 3) == MAX_TRIAL_ROUNDS  # a step too short to time
+
+
+def test_pick_trial_takes_fewer_buckets_within_the_tie() -> None:
+    # 1.5% slower in 2 buckets beats the fastest in 5; 3% slower in 1 is past the 2% tie.
+    assert pick_trial([1.00, 1.015, 1.03], [5, 2, 1]) == 1
+    # Outside the tie, the fastest, whatever its buckets.
+    assert pick_trial([1.00, 1.05], [9, 1]) == 0
+    # Within it and with as many buckets, the faster.
+    assert pick_trial([1.01, 1.00, 1.015], [3, 3, 3]) == 1
+
+
+# A shortlist with repeats, for Wide (eight gradients, 1 MiB in all) with no smaller
+# first bucket: one bucket at every cap from 2 MiB up, one per gradient at 0.25 MiB.
+SHORTLIST = [
+    Layout("uniform 1e+06", 1e6, None),
+    Layout("cut", 1e6, None, [3, 5]),
+    Layout("uniform 100", 100.0, None),  # one bucket, as 1e6
+    Layout("uniform 0.25", 0.25, None),
+    Layout("uniform 25", 25.0, None),  # one bucket, as 1e6
+]
+
+
+@contextmanager
+def shortlist(names: list[str]):
+    """The model's shortlist replaced by the layouts of SHORTLIST named `names`, in
+    SHORTLIST's order (the model's own depends on timings)."""
+    real = stages.auto_bucket.trial_layouts
+    stages.auto_bucket.trial_layouts = lambda *_, **__: [t for t in SHORTLIST if t.name in names]
+    try:
+        yield
+    finally:
+        stages.auto_bucket.trial_layouts = real
+
+
+def with_shortlist(rank: int, group: dist.ProcessGroup, stage: str, names: list[str]) -> tuple:
+    """The stage with bucket_cap_mb="auto" on Wide, with `shortlist(names)`, three steps
+    in (the shortlist made, the trial begun if there is one): (pending, the layouts on
+    trial's names, the record)."""
+    with shortlist(names):
+        torch.manual_seed(1000 * rank + 1)
+        model = Wide()
+        wrapped = STAGES[stage](model, process_group=group, bucket_cap_mb="auto")
+        sgd_steps(wrapped, model, rank, 3, (2, 256))
+        tried = [t.name for t in wrapped._trials]
+        return wrapped.auto_bucket_pending, tried, wrapped.auto_bucket_choice
+
+
+@pytest.mark.parametrize("stage", stages_from("auto_bucket"))
+def test_each_distinct_layout_is_tried_once(pool, stage: str) -> None:
+    # The first of each distinct layout, in the shortlist's order.
+    names = [t.name for t in SHORTLIST]
+    for rank, (pending, tried, _) in enumerate(run_checked(pool, 2, with_shortlist, stage, names)):
+        assert pending, f"rank {rank}: no trial"
+        assert tried == ["uniform 1e+06", "cut", "uniform 0.25"], f"rank {rank}: {tried}"
+
+
+@pytest.mark.parametrize("stage", stages_from("auto_bucket"))
+def test_one_distinct_layout_is_built_without_a_trial(pool, stage: str) -> None:
+    names = ["uniform 1e+06", "uniform 100", "uniform 25"]  # one bucket, thrice
+    for rank, (pending, tried, choice) in enumerate(
+        run_checked(pool, 2, with_shortlist, stage, names)
+    ):
+        assert not pending and tried == [], f"rank {rank}: on trial: {tried}"
+        assert choice["trial_rounds"] == 0, (rank, choice)
+        assert choice["trials"] == [
+            {"layout": "uniform 1e+06", "buckets": 1, "measured_step_s": None}
+        ], (rank, choice)
+        assert len(choice["bucket_sizes_bytes"]) == 1, (rank, choice)
+
+
 SLOW, FAST = 1.0, 0.25  # seconds a trial step takes by the fake clock
 
 
 def train_fast_layout(rank: int, group: dist.ProcessGroup, stage: str) -> tuple:
-    """The stage, with a clock by which the layout on trial third in line (here the
-    best uniform cap's smaller neighbour) takes FAST seconds a step and every other
-    SLOW, on rank 1 only: the slowest rank's medians must decide, on both ranks."""
+    """The stage on a shortlist of three distinct layouts, with a clock by which the
+    last on trial (the one with the most buckets) takes FAST seconds a step and every
+    other SLOW, on rank 1 only: the slowest rank's medians must decide, on both ranks."""
     base = STAGES[stage]
     fast = {}
 
     class FakeClock(base):
         def _build(self, layout):
             self._now_on = layout.name
-            fast.setdefault("name", self._trials[2].name)
+            fast.setdefault("name", self._trials[-1].name)
             super()._build(layout)
 
         def _trial_clock(self) -> float:
             on = getattr(self, "_now_on", None)
             self._fake = getattr(self, "_fake", 0.0) + (
-                FAST if on == fast.get("name") or rank == 0 else SLOW
+                FAST if (on is not None and on == fast.get("name")) or rank == 0 else SLOW
             )
             return self._fake
 
     torch.manual_seed(1000 * rank + 1)
     model = Wide()
-    wrapped = FakeClock(model, process_group=group, bucket_cap_mb="auto")
-    sgd_steps(wrapped, model, rank, AUTO_STEPS, (2, 256))
+    with shortlist(["uniform 1e+06", "cut", "uniform 0.25"]):
+        wrapped = FakeClock(model, process_group=group, bucket_cap_mb="auto")
+        sgd_steps(wrapped, model, rank, AUTO_STEPS, (2, 256))
     return fast["name"], wrapped.auto_bucket_choice
 
 
@@ -222,6 +339,9 @@ def test_auto_bucket_builds_the_layout_measured_fastest(pool, stage: str) -> Non
     for rank, (fast, choice) in enumerate(run_checked(pool, 2, train_fast_layout, stage)):
         measured = {t["layout"]: t["measured_step_s"] for t in choice["trials"]}
         assert measured[fast] == FAST and max(measured.values()) == SLOW, (rank, measured)
+        # The step before the trial took SLOW by the clock (rank 1's): long enough for
+        # the fewest rounds (a step of a few ms would have had the most).
+        assert choice["trial_rounds"] == TRIAL_ROUNDS, (rank, choice)
         built = (
             choice["layout"]
             if choice["layout"] == "cut"
