@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import queue
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -44,9 +45,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A worker that crashes (a segfault, glibc's abort on a corrupted heap) prints every
+    # thread's Python stack to stderr, where the test's output shows it.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)  # MAX_WORLD ranks share 2 cores
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -116,12 +122,24 @@ class GlooPool:
             try:
                 rank, value = self.outbox.get(timeout=timeout_s)
             except queue.Empty:
+                silent = sorted(set(range(n)) - set(results))
                 raise TimeoutError(
-                    f"ranks {sorted(set(range(n)) - set(results))} gave no answer in "
-                    f"{timeout_s} s: a hang"
+                    f"ranks {silent} gave no answer in {timeout_s} s: {self._why(silent)}"
                 ) from None
             results[rank] = pickle.loads(value)  # from our own workers
         return [results[r] for r in range(n)]
+
+    def _why(self, silent: list[int]) -> str:
+        """A hang, unless a silent rank's worker is gone: then how it ended."""
+        dead = [(r, self.procs[r].exitcode) for r in silent if not self.procs[r].is_alive()]
+        if not dead:
+            return "a hang"
+        return "; ".join(
+            f"rank {r}'s worker died (exit code {code}"
+            + (f", {signal.Signals(-code).name}" if code is not None and code < 0 else "")
+            + "; its stack is in the captured stderr)"
+            for r, code in dead
+        )
 
     def close(self, kill: bool = False) -> None:
         for p, inbox in zip(self.procs, self.inboxes, strict=True):
