@@ -58,8 +58,8 @@ NEAR_TIE = 0.01  # layouts predicted within 1% of the best are ties: the fewest 
 TRIAL_ROUNDS = 5  # rounds of trial steps at least: every layout on trial, one timed step each
 # Short steps are noisy and cheap: rounds are added until the trial's steps take about
 # this many seconds (at the step time measured before it), up to MAX_TRIAL_ROUNDS. On
-# two shared cores a 7 ms step ranged 3-12 ms from one step to the next: a median of 20
-# still moved by 30% from one trial to the next.
+# two shared cores a 7 ms step ranged 3-12 ms from one step to the next: over three
+# trials, a layout's median of 20 ranged 6.0-9.7 ms.
 TRIAL_SECONDS = 10.0
 MAX_TRIAL_ROUNDS = 200
 # Layouts measured within this fraction of the fastest are ties the trial cannot split
@@ -90,7 +90,7 @@ class AutoBucketDDP(JoinDDP):
         # GPU, when the GPU finished it, not when the CPU queued it)
         self._ready_marks: dict[int, Mark] = {}
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
-        self._cut_sizes: list[int] | None = None  # the model's buckets, in parameters
+        self._layout: Layout | None = None  # the layout built or on trial; None before
         self._order: list[int] = []  # the replayed ready order, the same on every rank
         self._trials: list[Layout] = []  # on trial, in turn; empty once decided
         self._trial_buckets: list[int] = []  # per layout on trial, how many buckets it has
@@ -164,8 +164,10 @@ class AutoBucketDDP(JoinDDP):
         return super()._rebuilt_layout(named, layout.bucket_cap_mb, layout.first_bucket_cap_mb)
 
     def _build(self, layout: Layout) -> None:
-        """Rebuild the buckets as `layout`, in the replayed ready order (every rank)."""
-        self._cut_sizes = layout.cut_sizes
+        """Rebuild the buckets as `layout`, in the replayed ready order (every rank):
+        `_rebuilt_layout` makes them with `_members`, which the shortlist was told apart
+        by."""
+        self._layout = layout
         cap, first = layout.bucket_cap_mb, layout.first_bucket_cap_mb
         self._rebuild_buckets(self._order, cap, min(cap, first or cap))
 
@@ -202,8 +204,9 @@ class AutoBucketDDP(JoinDDP):
                 device=self._collective_device,
             )
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.process_group)
-            medians: list[float | None] = slowest.tolist()
-            best = pick_trial(slowest.tolist(), self._trial_buckets)
+            timed = slowest.tolist()
+            medians: list[float | None] = list(timed)
+            best = pick_trial(timed, self._trial_buckets)
         else:  # one layout alone, not timed
             medians, best = [None], 0
         winner = self._trials[best]
@@ -225,9 +228,9 @@ class AutoBucketDDP(JoinDDP):
     def _rebuilt_layout(
         self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
     ) -> list[Members]:
-        if self._cut_sizes is None:  # before the choice, or a uniform cap
+        if self._layout is None:  # the first rebuild, before the choice
             return super()._rebuilt_layout(named, bucket_cap_mb, first_bucket_cap_mb)
-        return _runs(named, self._cut_sizes)
+        return self._members(self._layout, named)
 
     def _time_allreduce(self) -> tuple[float, float]:
         """(fixed seconds per all-reduce, seconds per byte), from this rank's view."""

@@ -244,14 +244,17 @@ def test_pick_trial_takes_fewer_buckets_within_the_tie() -> None:
     assert pick_trial([1.01, 1.00, 1.015], [3, 3, 3]) == 1
 
 
-# A shortlist with repeats, for Wide (eight gradients, 1 MiB in all) with no smaller
-# first bucket: one bucket at every cap from 2 MiB up, one per gradient at 0.25 MiB.
+# A shortlist with repeats, for Wide (eight gradients, 1 MiB in all and just over it):
+# with no smaller first bucket, one bucket at every cap from 2 MiB up, one per gradient
+# at 0.25 MiB; with a 1 MiB first bucket, two (seven gradients, then one).
 SHORTLIST = [
-    Layout("uniform 1e+06", 1e6, None),
-    Layout("cut", 1e6, None, [3, 5]),
-    Layout("uniform 100", 100.0, None),  # one bucket, as 1e6
-    Layout("uniform 0.25", 0.25, None),
-    Layout("uniform 25", 25.0, None),  # one bucket, as 1e6
+    Layout("uniform 1e+06", 1e6, None),  # 1 bucket
+    Layout("cut", 1e6, None, [3, 5]),  # 2
+    Layout("uniform 100", 100.0, None),  # as 1e6
+    Layout("uniform 1e+06, first 1", 1e6, 1.0),  # 2, not the cut's
+    Layout("uniform 0.25", 0.25, None),  # 8
+    Layout("uniform 100, first 1", 100.0, 1.0),  # as 1e6 with the first at 1
+    Layout("uniform 25", 25.0, None),  # as 1e6
 ]
 
 
@@ -282,11 +285,13 @@ def with_shortlist(rank: int, group: dist.ProcessGroup, stage: str, names: list[
 
 @pytest.mark.parametrize("stage", stages_from("auto_bucket"))
 def test_each_distinct_layout_is_tried_once(pool, stage: str) -> None:
-    # The first of each distinct layout, in the shortlist's order.
+    # The first of each distinct layout, in the shortlist's order; a first bucket's cap
+    # makes a layout of its own.
     names = [t.name for t in SHORTLIST]
+    expected = ["uniform 1e+06", "cut", "uniform 1e+06, first 1", "uniform 0.25"]
     for rank, (pending, tried, _) in enumerate(run_checked(pool, 2, with_shortlist, stage, names)):
         assert pending, f"rank {rank}: no trial"
-        assert tried == ["uniform 1e+06", "cut", "uniform 0.25"], f"rank {rank}: {tried}"
+        assert tried == expected, f"rank {rank}: {tried}"
 
 
 @pytest.mark.parametrize("stage", stages_from("auto_bucket"))
@@ -303,48 +308,64 @@ def test_one_distinct_layout_is_built_without_a_trial(pool, stage: str) -> None:
         assert len(choice["bucket_sizes_bytes"]) == 1, (rank, choice)
 
 
-SLOW, FAST = 1.0, 0.25  # seconds a trial step takes by the fake clock
+ON_TRIAL = ["uniform 1e+06", "cut", "uniform 0.25"]  # 1, 2 and 8 buckets of Wide
+PRE = 0.05  # seconds a step takes by the fake clock before the trial: 34 rounds of 3
+CLOCK_STEPS = 2 + 2 * trial_rounds(PRE, len(ON_TRIAL)) * len(ON_TRIAL) + 1
 
 
-def train_fast_layout(rank: int, group: dist.ProcessGroup, stage: str) -> tuple:
-    """The stage on a shortlist of three distinct layouts, with a clock by which the
-    last on trial (the one with the most buckets) takes FAST seconds a step and every
-    other SLOW, on rank 1 only: the slowest rank's medians must decide, on both ranks."""
+def train_with_clock(
+    rank: int, group: dist.ProcessGroup, stage: str, seconds: list[dict[str, float]]
+) -> dict:
+    """The stage on the shortlist ON_TRIAL, with a clock by which a step on a layout
+    takes seconds[rank][its name], and PRE before the trial: its record."""
     base = STAGES[stage]
-    fast = {}
 
     class FakeClock(base):
         def _build(self, layout):
             self._now_on = layout.name
-            fast.setdefault("name", self._trials[-1].name)
             super()._build(layout)
 
         def _trial_clock(self) -> float:
             on = getattr(self, "_now_on", None)
-            self._fake = getattr(self, "_fake", 0.0) + (
-                FAST if (on is not None and on == fast.get("name")) or rank == 0 else SLOW
-            )
+            # From 100 s: a step before the choice timed from 0 would take 100 s.
+            self._fake = getattr(self, "_fake", 100.0) + (PRE if on is None else seconds[rank][on])
             return self._fake
 
     torch.manual_seed(1000 * rank + 1)
     model = Wide()
-    with shortlist(["uniform 1e+06", "cut", "uniform 0.25"]):
+    with shortlist(ON_TRIAL):
         wrapped = FakeClock(model, process_group=group, bucket_cap_mb="auto")
-        sgd_steps(wrapped, model, rank, AUTO_STEPS, (2, 256))
-    return fast["name"], wrapped.auto_bucket_choice
+        sgd_steps(wrapped, model, rank, CLOCK_STEPS, (2, 256))
+    return wrapped.auto_bucket_choice
+
+
+def built_name(choice: dict) -> str:
+    return "cut" if choice["layout"] == "cut" else f"uniform {choice['bucket_cap_mb']:g}"
+
+
+SLOW, FAST = 1.0, 0.25
 
 
 @pytest.mark.parametrize("stage", stages_from("auto_bucket"))
 def test_auto_bucket_builds_the_layout_measured_fastest(pool, stage: str) -> None:
-    for rank, (fast, choice) in enumerate(run_checked(pool, 2, train_fast_layout, stage)):
+    # On rank 1 only the layout with the most buckets is fast, on rank 0 every one: the
+    # slowest rank's medians must decide, on both ranks.
+    seconds = [dict.fromkeys(ON_TRIAL, FAST), {**dict.fromkeys(ON_TRIAL, SLOW), ON_TRIAL[-1]: FAST}]
+    for rank, choice in enumerate(run_checked(pool, 2, train_with_clock, stage, seconds)):
         measured = {t["layout"]: t["measured_step_s"] for t in choice["trials"]}
-        assert measured[fast] == FAST and max(measured.values()) == SLOW, (rank, measured)
-        # The step before the trial took SLOW by the clock (rank 1's): long enough for
-        # the fewest rounds (a step of a few ms would have had the most).
-        assert choice["trial_rounds"] == TRIAL_ROUNDS, (rank, choice)
-        built = (
-            choice["layout"]
-            if choice["layout"] == "cut"
-            else f"uniform {choice['bucket_cap_mb']:g}"
-        )
-        assert built == fast, f"rank {rank} built {built}, measured fastest {fast}: {measured}"
+        assert measured == seconds[1], (rank, measured)
+        # The step before the trial took PRE: rounds for TRIAL_SECONDS of such steps.
+        assert choice["trial_rounds"] == trial_rounds(PRE, 3) == 34, (rank, choice)
+        assert built_name(choice) == ON_TRIAL[-1], (rank, built_name(choice), measured)
+
+
+@pytest.mark.parametrize("stage", stages_from("auto_bucket"))
+@pytest.mark.parametrize(("one_bucket_s", "built"), [(1.01, "uniform 1e+06"), (1.05, "cut")])
+def test_auto_bucket_builds_fewer_buckets_within_the_tie(
+    pool, stage: str, one_bucket_s: float, built: str
+) -> None:
+    # The cut (2 buckets) fastest; one bucket 1% slower is within the 2% tie and built,
+    # 5% slower is not.
+    times = {"uniform 1e+06": one_bucket_s, "cut": 1.0, "uniform 0.25": 1.5}
+    for rank, choice in enumerate(run_checked(pool, 2, train_with_clock, stage, [times] * 2)):
+        assert built_name(choice) == built, (rank, choice["trials"])
