@@ -54,11 +54,17 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
     assert own["compute_s"] > 0 and all(step_s > 0 for _, _, step_s, _ in own["layouts"])
 
 
+# As ddp.dist sets up and tears down a group: torch._dynamo imported before it (else the
+# optimizer's first step imports it, holding the group past teardown, and Gloo's threads
+# then run into interpreter shutdown, which now and then aborts the process), and every
+# reference dropped before it is destroyed.
 SLOW_STAGE = """
-import json, sys, tempfile, time
+import json, os, sys, tempfile, time
+import torch._dynamo
 import torch.distributed as dist
 import stages
 from ddp.config import Config
+from ddp.dist import teardown_process_group
 from ddp.train import ComputeOnly
 from profiling.simulate import calibrate
 
@@ -80,7 +86,11 @@ store = dist.FileStore(tempfile.mkdtemp() + "/store", 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 cfg = Config(model="mlp", width=32, depth=2, batch_size=8)
 print(json.dumps(calibrate._own_steps(cfg, [["slow", 1e6], ["cold", None]])))
-dist.destroy_process_group()
+teardown_process_group()
+if os.path.isdir("/proc/self/task"):  # Linux: which threads outlived the teardown
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    left = [n.strip() for n in names if "gloo" in n]
+    assert not left, f"Gloo's threads outlived the group's teardown: {left}"
 """
 
 
