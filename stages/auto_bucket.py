@@ -130,8 +130,9 @@ class AutoBucketDDP(JoinDDP):
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
         ready_s, (latency_s, s_per_byte, step_s) = measured[:n].tolist(), measured[n:].tolist()
         order = sorted(range(n), key=lambda k: ready_s[k])
+        named = [self.named_trainable[k] for k in order]
         self.auto_bucket_choice, _ = choose_layout(
-            [self.named_trainable[k] for k in order],
+            named,
             [ready_s[k] for k in order],
             latency_s,
             s_per_byte,
@@ -142,7 +143,6 @@ class AutoBucketDDP(JoinDDP):
         # Each distinct layout once: on a small model several caps give the same buckets
         # (every cap above its size, one bucket), and a second try of one layout would
         # only take steps from the others.
-        named = [self.named_trainable[k] for k in order]
         distinct: dict[tuple, tuple[Layout, int]] = {}
         for layout in trial_layouts(self.auto_bucket_choice, self.first_bucket_cap_mb):
             members = self._members(layout, named)
@@ -168,8 +168,7 @@ class AutoBucketDDP(JoinDDP):
         `_rebuilt_layout` makes them with `_members`, which the shortlist was told apart
         by."""
         self._layout = layout
-        cap, first = layout.bucket_cap_mb, layout.first_bucket_cap_mb
-        self._rebuild_buckets(self._order, cap, min(cap, first or cap))
+        self._rebuild_buckets(self._order, layout.bucket_cap_mb, layout.first_bucket_cap_mb)
 
     def _next_trial(self) -> None:
         """At each synchronised forward while trials run: time the step that just ended
