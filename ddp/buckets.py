@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ddp.spans import allreduce_span
+
 
 @dataclass
 class Bucket:
@@ -20,16 +22,40 @@ class Bucket:
     # whose gradients are sparse, that gradient itself, alone in its bucket
     buffer: torch.Tensor
     nbytes: int = field(init=False)
+    sparse: bool = field(init=False)  # a sparse gradient's bucket: no flat buffer, no views
+    # Per parameter, the slice of `buffer` that holds its gradient, shaped like it. Made
+    # once here, not at every step: a view costs a few microseconds to make, and a step
+    # copies every gradient in and out.
+    views: list[torch.Tensor] = field(init=False)
+    span: str = field(init=False)  # the label of its all-reduce in traces, made once too
 
     def __post_init__(self) -> None:
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        self.sparse = self.buffer.is_sparse
+        self.views = self._make_views()
+        self.span = allreduce_span(f"bucket {self.index}", self.nbytes)
+
+    def _make_views(self) -> list[torch.Tensor]:
+        members = [] if self.sparse else zip(self.offsets, self.params, strict=True)
+        return [
+            self.buffer.narrow(0, offset, param.numel()).view(param.shape)
+            for offset, param in members
+        ]
+
+    # Pickle copies each view's storage on its own, so views unpickled would no longer
+    # be slices of the unpickled buffer: they are made again from it instead.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "views"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.views = self._make_views()
 
     def view_of(self, i: int) -> torch.Tensor:
         """The slice of `buffer` that holds parameter i's gradient, shaped like it."""
-        if self.buffer.is_sparse:  # no flat buffer: the one gradient is the buffer
+        if self.sparse:  # no flat buffer: the one gradient is the buffer
             return self.buffer
-        param = self.params[i]
-        return self.buffer.narrow(0, self.offsets[i], param.numel()).view(param.shape)
+        return self.views[i]
 
 
 Members = list[tuple[str, nn.Parameter]]

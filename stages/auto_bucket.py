@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut
-from ddp.buckets import Bucket, Members, plan_buckets
+from ddp.buckets import Members, plan_buckets
 from ddp.clock import DeviceClock, Mark
 from stages.join import JoinDDP
 
@@ -104,6 +104,8 @@ class AutoBucketDDP(JoinDDP):
     # --8<-- [start:forward]
     def _before_synced_forward(self) -> None:
         super()._before_synced_forward()
+        if self.auto_bucket and self._synced_backwards == 1:  # time the second: warmed up
+            self._ready_times = []  # stage overlapped's hook appends each gradient's mark
         # After the second synchronised backward (shadowed ones count: Join), on every rank.
         if self.auto_bucket and self._synced_backwards >= 2 and self.auto_bucket_choice is None:
             self._choose_bucket_cap()
@@ -253,13 +255,16 @@ class AutoBucketDDP(JoinDDP):
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
-    def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if self.auto_bucket and self._synced_backwards == 1:  # the second: warmed up
-            mark = self._clock.mark()
-            if not self._ready_marks:
-                self._first_ready = mark
-            self._ready_marks[self._position[id(bucket.params[i])]] = mark
-        super()._mark_ready(bucket, i, grad)
+    def _clock_mark(self) -> Mark:
+        return self._clock.mark()  # on a GPU, when the GPU has finished the gradient
+
+    def _finish_backward(self) -> None:
+        if self._ready_times is not None:  # the timed backward: each gradient's mark, by k
+            arrived = self._arrived[self._sync_from :]
+            self._ready_marks = dict(zip(arrived, self._ready_times, strict=False))
+            self._first_ready = self._ready_times[0] if self._ready_times else None
+            self._ready_times = None
+        super()._finish_backward()
 
     # --8<-- [end:backward]
 

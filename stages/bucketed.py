@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from ddp.buckets import Bucket, assign_buckets, sparse_gradient_names
-from ddp.spans import allreduce_span
+from ddp.spans import span
 from stages.naive import NaiveDDP
 
 
@@ -49,34 +48,33 @@ class BucketedDDP(NaiveDDP):
         """Average every gradient over the ranks, one flat buffer per bucket."""
         # Replaces stage 1's loop over parameters (its checks still run first).
         self._start_synchronization()
+        self._divisor = self._grad_divisor()
         for bucket in self.buckets:
-            for i, param in enumerate(bucket.params):
-                self._copy_in(bucket, i, param.grad)
-            with record_function(allreduce_span(f"bucket {bucket.index}", bucket.nbytes)):
+            self._fill(bucket)
+            with span(bucket.span):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
-            self._copy_out(bucket)
+            self._unload(bucket)
 
     def _grad_divisor(self) -> int:
         return self.world_size  # the sum over ranks of g / W is the mean
 
-    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
-        # Already divided (sum of g/W = mean), as torch's reducer does: one pass over
-        # the gradient instead of a copy and then a division. A view as `out` also
-        # takes non-contiguous gradients.
-        if grad.is_sparse:  # its bucket holds it alone: the buffer is the gradient
-            bucket.buffer = grad / self._grad_divisor()
-        else:
-            torch.div(grad, self._grad_divisor(), out=bucket.view_of(i))
+    def _fill(self, bucket: Bucket) -> None:
+        """The bucket's buffer := its gradients / the divisor (sum of g/W = mean, as torch's
+        reducer divides): one copy of all of them (a foreach op, one call for the whole
+        bucket) and one division of the flat buffer."""
+        if bucket.sparse:  # its bucket holds it alone: the buffer is the gradient
+            bucket.buffer = bucket.params[0].grad / self._divisor
+            return
+        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        if self._divisor != 1:  # 1: a comm hook divides by itself
+            bucket.buffer.div_(self._divisor)
 
-    def _copy_out(self, bucket: Bucket) -> None:
-        for i, param in enumerate(bucket.params):
-            self._copy_grad_out(param, bucket.view_of(i))
-
-    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
-        if average.is_sparse:  # a new tensor, not the bucket's, which the next step reuses
-            param.grad = average.clone()
-        else:
-            param.grad.copy_(average)
+    def _unload(self, bucket: Bucket) -> None:
+        """The averages, from the bucket back into `.grad`: one foreach copy."""
+        if bucket.sparse:  # a new tensor, not the bucket's, which the next step reuses
+            bucket.params[0].grad = bucket.buffer.clone()
+            return
+        torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
 
     # --8<-- [end:finish]
 

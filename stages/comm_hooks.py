@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
+from ddp.buckets import Bucket
 from ddp.comm_hooks import GradBucket
+from ddp.spans import span
 from stages.rebuilt_buckets import RebuiltBucketsDDP
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -60,15 +61,14 @@ class CommHooksDDP(RebuiltBucketsDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _launch(self, index: int) -> dist.Work | torch.futures.Future:
+    def _send(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
         if self._comm_hook is None:
-            return super()._launch(index)
+            return super()._send(bucket)
         if self._in_flight:  # one hook at a time: see the module docstring
             self._in_flight[-1][1].wait()
-        bucket = self.buckets[index]
-        with record_function(f"comm hook bucket {index} ({bucket.nbytes} B)"):
+        with span(f"comm hook bucket {bucket.index} ({bucket.nbytes} B)"):
             future = self._comm_hook(
-                self._comm_state, GradBucket(bucket, is_last=index == len(self.buckets) - 1)
+                self._comm_state, GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
             )
 
         def write_back(done: torch.futures.Future) -> torch.Tensor:
@@ -80,6 +80,14 @@ class CommHooksDDP(RebuiltBucketsDDP):
             return bucket.buffer
 
         return future.then(write_back)
+
+    def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
+        # A hook may issue collectives from its future's callbacks, on a Gloo thread
+        # (PowerSGD does): the status goes after the last bucket's have all been issued,
+        # or the ranks could issue them in different orders.
+        if self._comm_hook is not None and self._in_flight:
+            self._in_flight[-1][1].wait()
+        return super()._send_status(row)
 
     # --8<-- [end:backward]
 

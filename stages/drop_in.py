@@ -186,9 +186,9 @@ class DistributedDataParallel(AutoBucketDDP):
         self.process_group = _default_group()
         self.round_robin_groups = [self.process_group]
         self._in_flight = []
-        self._register_hooks()  # a tensor's hooks are not pickled, nor copied with it
-        # Parameters are new objects: re-key what is keyed by their identity.
-        self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
+        # A tensor's hooks are not pickled, nor copied with it; and parameters are new
+        # objects, so what is keyed by their identity is keyed again there.
+        self._register_hooks()
 
     # --8<-- [end:pickle]
 

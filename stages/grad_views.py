@@ -35,24 +35,35 @@ class GradViewsDDP(BuffersDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        view = bucket.view_of(i)
-        if not self.gradient_as_bucket_view or grad is None or grad.is_sparse:
-            super()._copy_in(bucket, i, grad)  # a sparse gradient can be no view
-        elif grad.data_ptr() == view.data_ptr():  # autograd summed into the bucket itself
-            if self._grad_divisor() != 1:
-                grad.div_(self._grad_divisor())
-        else:  # a fresh gradient (the first step, or after zero_grad(set_to_none=True))
-            torch.div(grad, self._grad_divisor(), out=view)
-            bucket.params[i].grad = view
+    def _fill(self, bucket: Bucket) -> None:
+        if not self.gradient_as_bucket_view or bucket.sparse:  # a sparse gradient is no view
+            super()._fill(bucket)
+            return
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            grad = param.grad
+            if grad is None:  # missing here (stage missing_grads): adds zero to the sum
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                # A fresh gradient (the first step, or after zero_grad(set_to_none=True)):
+                # copied in once, and from now on .grad is the view.
+                view.copy_(grad)
+                param.grad = view
+        # Autograd summed the others into the bucket itself: only the division is left.
+        if self._divisor != 1:  # 1: a comm hook divides by itself
+            bucket.buffer.div_(self._divisor)
 
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
-    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
+    def _unload(self, bucket: Bucket) -> None:
+        if self.gradient_as_bucket_view and not bucket.sparse and self._all_arrived:
+            return  # every .grad already is its view: the average is in place
+        super()._unload(bucket)
+
+    def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
         if self.gradient_as_bucket_view and param.grad is not None and not average.is_sparse:
             return  # .grad already is its view: the average is in place
-        super()._copy_grad_out(param, average)
+        super()._unload_one(param, average)
 
     def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
         # A parameter unused here but used elsewhere: its .grad becomes the view too.

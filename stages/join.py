@@ -123,15 +123,20 @@ class JoinDDP(RoundRobinDDP, Joinable):
 
     def _shadow_backward(self) -> None:
         """The backward the others run: every bucket, in order, with zeros from us; then
-        the status row of a rank that misses nothing and used nothing."""
+        the status of a rank that misses nothing and used nothing (and, if the others'
+        says something went wrong, the row of such a rank)."""
         self._in_flight = []  # a comm hook waits for the bucket before it, as in backward
-        for index, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             bucket.buffer.zero_()
-            self._in_flight.append((bucket, self._launch(index)))
-        for _, work in self._in_flight:
-            work.wait()
-        row = self._status_row(ready=torch.ones(len(self.named_trainable), dtype=torch.int32))
-        self._exchange_status({c: v if c == "ready" else v.zero_() for c, v in row.items()})
+            self._in_flight.append((bucket, self._send(bucket)))
+        everything = set(range(len(self.named_trainable)))
+        self._unreached, self._problems, self._used = [], [], set()
+        status, work = self._send_status(self._status_row(everything))
+        for _, work_ in self._in_flight:
+            work_.wait()
+        work.wait()
+        if self._went_wrong(status.tolist()):
+            self._exchange_status(self._error_row(everything))
         self._synced_backwards += 1
 
 

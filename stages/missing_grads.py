@@ -7,19 +7,23 @@ other ranks, whose backward did produce the gradient, wait in that all-reduce fo
 
 This stage keeps every rank in step whatever happened. At the end of backward it
 completes every bucket, with zeros for the gradients that did not come, so every rank
-issues the same all-reduces in the same order. Then one small all-reduce of a status
-row per rank (which gradients were ready) tells every rank what went wrong where, and
-every rank raises the same error, naming the parameters and the ranks. The process
-group stays usable afterwards.
+issues the same all-reduces in the same order. Right after the last bucket, one tiny
+all-reduce sums a status over the ranks: how many gradients each missed. In the common
+case it is zero and that is all; otherwise every rank sends which gradients it had
+(one more all-reduce), and every rank raises the same error, naming the parameters and
+the ranks. The process group stays usable afterwards.
 
     torchrun --standalone --nproc-per-node 2 -m stages.missing_grads --model mlp
 
-Cost: one all-reduce of W x n integers per synchronised backward (n: trainable
-parameters). torch's DDP does not pay it: there, a gradient missing on one rank hangs
+Cost: one all-reduce of a few integers per synchronised backward, in flight with the
+last bucket. torch's DDP does not pay it: there, a gradient missing on one rank hangs
 the others until the process group's timeout.
 """
 
 from __future__ import annotations
+
+import operator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,7 +33,9 @@ from ddp.buckets import Bucket
 from ddp.dist import collective_device
 from stages.skip_sync import SkipSyncDDP
 
-Status = dict[str, torch.Tensor]  # column name -> (W, width) for every rank, or (width,)
+Status = dict[str, torch.Tensor]  # column name -> (W, width) for every rank
+# `x is None`, without a Python frame (`None in tensors` would compare each with ==).
+_is_none = partial(operator.is_, None)
 
 
 # --8<-- [start:construction]
@@ -37,21 +43,18 @@ class MissingGradsDDP(SkipSyncDDP):
     """Stage 5: every bucket completes on every rank; a missing gradient raises everywhere."""
 
     collectives = (*SkipSyncDDP.collectives, "all_reduce of the status")
-    # The status row's columns, in order; "ready" has one entry per trainable parameter
-    # (in `named_trainable` order): 1 if its gradient came in this backward.
-    status_columns: tuple[str, ...] = ("ready",)
+    # The status, summed over ranks every synchronised backward, by column, each one
+    # integer wide: "missing", how many gradients did not come. Later stages add columns.
+    status_columns: tuple[str, ...] = ("missing",)
+    # What each rank tells the others when the status is not all zeros, so that every
+    # rank can name what went wrong where: "ready" has one entry per trainable parameter
+    # (in `named_trainable` order), 1 if its gradient came in this backward.
+    error_columns: tuple[str, ...] = ("ready",)
 
     def __init__(self, module: nn.Module, **options):
         super().__init__(module, **options)
         self.rank = dist.get_rank(self.process_group)
-        # Each trainable parameter's position in the status row: its index in named_trainable.
-        self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
-
-    @property
-    def _slots(self) -> list[tuple[Bucket, int]]:
-        """(bucket, index in it) of every trainable parameter, in status row order."""
-        slots = {id(b.params[i]): (b, i) for b in self.buckets for i in range(len(b.params))}
-        return [slots[id(p)] for _, p in self.named_trainable]
+        self._all_arrived = True  # every gradient came in the last synchronised backward
 
     @property
     def _collective_device(self) -> torch.device:
@@ -67,41 +70,82 @@ class MissingGradsDDP(SkipSyncDDP):
 
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
-        slots = self._slots
-        ready = torch.tensor([self._ready[b.index][i] for b, i in slots], dtype=torch.int32)
+        ready = set(self._arrived[self._sync_from :])
+        self._all_arrived = len(ready) == len(self.named_trainable)
         # Complete every bucket, so that every rank issues the same all-reduces in the
         # same order and none can hang: what did not come adds the gradient the parameter
-        # already holds (from no_sync() micro-batches), else zeros.
-        for bucket, i in slots:
-            if not self._ready[bucket.index][i]:
-                self._mark_ready(bucket, i, bucket.params[i].grad)
+        # already holds (from no_sync() micro-batches), else zeros (`_fill`, below).
+        if self._next_bucket < len(self.buckets):
+            self._pending = [0] * len(self.buckets)
+            self._launch_ready_buckets()
+        # The status leaves right after the last bucket, not after it has landed.
+        status = self._send_status(self._status_row(ready))
         super()._finish_backward()  # waits for every bucket and copies the averages out
-        status = self._exchange_status(self._status_row(ready))
-        self._raise_on_every_rank(status)
+        status[1].wait()
+        if self._went_wrong(status[0].tolist()):  # all zeros in the common case: done
+            self._raise_on_every_rank(self._exchange_status(self._error_row(ready)))
 
-    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if grad is None:  # missing here: adds zero to the sum, and we raise after it
-            bucket.view_of(i).zero_()
+    def _fill(self, bucket: Bucket) -> None:
+        if not any(map(_is_none, [p.grad for p in bucket.params])):
+            super()._fill(bucket)
+            return
+        for param, view in zip(bucket.params, bucket.views or [bucket.buffer], strict=True):
+            if param.grad is None:  # missing here: adds zero to the sum, and we raise after it
+                view.zero_()
+            elif bucket.sparse:
+                bucket.buffer = param.grad.clone()
+            else:
+                view.copy_(param.grad)
+        if self._divisor != 1:  # 1: a comm hook divides by itself
+            bucket.buffer.div_(self._divisor)
+
+    def _unload(self, bucket: Bucket) -> None:
+        if self._all_arrived:
+            super()._unload(bucket)
+            return
+        for i, param in enumerate(bucket.params):  # what is missing here stays missing
+            self._unload_one(param, bucket.view_of(i))
+
+    def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
+        """One parameter's average into its `.grad`: the careful path, taken only when a
+        gradient is missing somewhere (or later, when some are unused)."""
+        if param.grad is None:  # a missing gradient stays missing: the error follows
+            return
+        if average.is_sparse:  # a new tensor, not the bucket's, which the next step reuses
+            param.grad = average.clone()
         else:
-            super()._copy_in(bucket, i, grad)
+            param.grad.copy_(average)
 
-    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
-        if param.grad is not None:  # a missing gradient stays missing: the error follows
-            super()._copy_grad_out(param, average)
+    def _status_row(self, ready: set[int]) -> list[int]:
+        """This rank's part of the status, one integer per column."""
+        return [len(self.named_trainable) - len(ready)]
 
-    def _status_row(self, ready: torch.Tensor) -> Status:
-        """This rank's row, by column."""
-        return {"ready": ready}
+    def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
+        """The status summed over every rank: (the tensor it lands in, its work)."""
+        status = torch.tensor(row, dtype=torch.int32, device=self._collective_device)
+        return status, dist.all_reduce(status, group=self.process_group, async_op=True)
+
+    def _went_wrong(self, status: list[int]) -> bool:
+        """Whether the summed status says a rank must be told what went wrong (the same
+        answer on every rank: they all see the same sum)."""
+        return status[0] > 0
+
+    def _error_row(self, ready: set[int]) -> Status:
+        """This rank's row of what went wrong, by column."""
+        row = torch.zeros(len(self.named_trainable), dtype=torch.int32)
+        row[list(ready)] = 1
+        return {"ready": row}
 
     def _exchange_status(self, row: Status) -> Status:
-        """Every rank's row, {column: (W, width)}, from this rank's; one all-reduce."""
-        widths = [row[column].numel() for column in self.status_columns]
+        """Every rank's row, {column: (W, width)}, from this rank's; one all-reduce, only
+        after a status that says something went wrong."""
+        widths = [row[column].numel() for column in self.error_columns]
         status = torch.zeros(
             self.world_size, sum(widths), dtype=torch.int32, device=self._collective_device
         )
-        status[self.rank] = torch.cat([row[c].reshape(-1) for c in self.status_columns])
+        status[self.rank] = torch.cat([row[c].reshape(-1) for c in self.error_columns])
         dist.all_reduce(status, group=self.process_group)
-        return dict(zip(self.status_columns, status.cpu().split(widths, dim=1), strict=True))
+        return dict(zip(self.error_columns, status.cpu().split(widths, dim=1), strict=True))
 
     def _raise_on_every_rank(self, status: Status) -> None:
         names = [name for name, _ in self.named_trainable]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.buckets import Bucket, Members, buckets_from_plan, plan_buckets
+from ddp.buckets import Members, buckets_from_plan, plan_buckets
 from stages.grad_views import GradViewsDDP
 
 
@@ -116,12 +116,9 @@ class RebuiltBucketsDDP(GradViewsDDP):
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
-    def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if not self._rebuilt and self._order_is_static():  # else it is never used
-            self._ready_order.append(self._position[id(bucket.params[i])])
-        super()._mark_ready(bucket, i, grad)
-
     def _finish_backward(self) -> None:
+        if not self._rebuilt and not self._ready_order and self._order_is_static():
+            self._ready_order = self._arrived[self._sync_from :]  # as they came, once
         self._synced_backwards += 1
         super()._finish_backward()
 

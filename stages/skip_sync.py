@@ -24,7 +24,6 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ddp.buckets import Bucket
 from stages.overlapped import OverlappedDDP
 
 
@@ -35,7 +34,6 @@ class SkipSyncDDP(OverlappedDDP):
     def __init__(self, module: nn.Module, **options):
         super().__init__(module, **options)
         self.require_backward_grad_sync = True  # torch DDP's name; no_sync() clears it
-        self._sync_this_backward = True
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -51,19 +49,14 @@ class SkipSyncDDP(OverlappedDDP):
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        self._sync_this_backward = self.require_backward_grad_sync  # read at forward time
+        # Read at forward time, once: stage overlapped's gradient hook only notes a
+        # gradient (and leaves it in .grad, to sum up) when this is False.
+        self._sync_this_backward = self.require_backward_grad_sync
         if self._sync_this_backward:
             return super().forward(*inputs, **kwargs)
         return self.module(*inputs, **kwargs)
 
     # --8<-- [end:forward]
-
-    # --8<-- [start:backward]
-    def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
-        if self._sync_this_backward:  # else the gradient just stays in .grad, summed
-            super()._on_grad_ready(bucket, i, param)
-
-    # --8<-- [end:backward]
 
 
 if __name__ == "__main__":

@@ -7,14 +7,15 @@ before this one turns that into an error on every rank; with
 stage walks the autograd graph from forward's outputs and, at the first gradient of
 backward (as torch does), marks every parameter it does not reach as ready, with a
 zero (or its already accumulated) gradient, so its bucket still completes on time.
-The status row all ranks exchange at the end of backward gains which parameters each
+The status all ranks sum at the end of backward gains which parameters each
 rank really used since the last synchronisation: a parameter that no rank used keeps
 its `.grad` as it was (as torch's DDP leaves it), one used anywhere gets the average.
 
     torchrun --standalone --nproc-per-node 2 -m stages.unused_params --model mlp
 
-Cost: the graph walk after every forward (with the flag), and a status row twice as
-long. torch's DDP exchanges its "used" bitmap only with the flag.
+Cost: the graph walk after every forward, and n more integers in the status summed
+every synchronised backward (n: trainable parameters), both with the flag only, as
+torch's DDP exchanges its "used" bitmap only with the flag.
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ from stages.missing_grads import MissingGradsDDP, Status
 class UnusedParamsDDP(MissingGradsDDP):
     """Stage 6: `find_unused_parameters`: what forward does not reach counts as ready."""
 
-    # "used": 1 per parameter whose gradient this rank produced since the last
-    # synchronisation; "problems": how many this rank noted inside backward.
-    status_columns = (*MissingGradsDDP.status_columns, "used", "problems")
+    # Two more columns of the status summed every synchronised backward: "problems", how
+    # many this rank noted inside backward; "used", with find_unused_parameters only, one
+    # per parameter, 1 if this rank produced its gradient since the last synchronisation
+    # (no_sync() backwards included): torch's "local used map", summed.
+    status_columns = (*MissingGradsDDP.status_columns, "problems", "used")
+    error_columns = (*MissingGradsDDP.error_columns, "problems")
 
     def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False, **options):
         super().__init__(module, **options)
         self.find_unused_parameters = find_unused_parameters
-        # Which gradients this rank produced since the last synchronisation (no_sync
-        # backwards included): torch's "local used map", in status row order.
-        self._locally_used = torch.zeros(len(self.named_trainable), dtype=torch.int32)
-        self._globally_used = [1] * len(self.named_trainable)
-        self._unreached: list[tuple[Bucket, int]] = []
-        self._problems: list[str] = []  # found inside backward, raised after it
+        self._globally_used = [1] * len(self.named_trainable)  # per position: used anywhere
+        self._unreached: list[int] = []  # positions forward's outputs do not lead to
+        self._problems: list[str] = []  # found in this backward, raised on every rank
+        self._used: set[int] = set()  # positions this rank produced since the last sync
         self._deferred: list[Bucket] = []  # buckets to copy out once we know who used what
 
     # --8<-- [end:construction]
@@ -53,74 +55,92 @@ class UnusedParamsDDP(MissingGradsDDP):
     def forward(self, *inputs, **kwargs):
         output = super().forward(*inputs, **kwargs)
         self._unreached = []
-        self._problems = []
         if torch.is_grad_enabled() and self._sync_this_backward and self.find_unused_parameters:
             reached = _parameters_reached(output)
-            self._unreached = [(b, i) for b, i in self._slots if id(b.params[i]) not in reached]
+            self._unreached = [
+                k for k, (_, p) in enumerate(self.named_trainable) if id(p) not in reached
+            ]
         return output
 
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
-    def _on_grad_ready(self, bucket: Bucket, i: int, param: nn.Parameter) -> None:
-        self._locally_used[self._position[id(param)]] = 1  # inside no_sync() too
-        super()._on_grad_ready(bucket, i, param)
-
-    def _backward_started(self) -> None:
-        super()._backward_started()
-        for b, j in self._unreached:  # as torch: at the first gradient, the unused are ready
-            self._mark_ready(b, j, b.params[j].grad)
-
-    def _mark_ready(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if self._ready[bucket.index][i]:
-            # Raising here would stop only this rank's backward and leave the others
-            # waiting in an all-reduce: note it, finish the step, raise on every rank.
-            self._problems.append(
-                f"'{bucket.names[i]}' got a gradient although forward's outputs do not reach "
-                "it (it was marked unused); compute the loss only from the wrapper's outputs"
-            )
-            return
-        super()._mark_ready(bucket, i, grad)
+    def _start_backward(self) -> None:
+        super()._start_backward()
+        if self._unreached:  # as torch: at the first gradient, the unused are ready
+            for k in self._unreached:
+                self._pending[self._bucket_of[k]] -= 1
+            self._launch_ready_buckets()
 
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
+        arrived = self._arrived[self._sync_from :]
+        if self.find_unused_parameters:  # no_sync() micro-batches count as used
+            self._used = set(self._arrived)
+        self._problems = self._problems_in(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status
         for bucket in self._deferred:
-            super()._copy_out(bucket)
+            for i, param in enumerate(bucket.params):
+                self._unload_one(param, bucket.view_of(i))
 
-    def _copy_out(self, bucket: Bucket) -> None:
+    def _problems_in(self, arrived: list[int]) -> list[str]:
+        """What went wrong inside this backward. Raising there would stop only this rank's
+        backward and leave the others waiting in an all-reduce: it is noted, the step
+        finishes, and every rank raises."""
+        if not self._unreached and len(set(arrived)) == len(arrived):
+            return []  # the common case, in one pass
+        names = [name for name, _ in self.named_trainable]
+        unreached, seen, problems = set(self._unreached), set(), []
+        for k in arrived:
+            if k in unreached:
+                problems.append(
+                    f"'{names[k]}' got a gradient although forward's outputs do not reach "
+                    "it (it was marked unused); compute the loss only from the wrapper's outputs"
+                )
+            elif k in seen:
+                problems.append(f"'{names[k]}' got its gradient twice in one backward")
+            seen.add(k)
+        return problems
+
+    def _unload(self, bucket: Bucket) -> None:
         if self.find_unused_parameters:  # what to copy depends on who used what
             self._deferred.append(bucket)
         else:
-            super()._copy_out(bucket)
+            super()._unload(bucket)
 
-    def _copy_grad_out(self, param: nn.Parameter, average: torch.Tensor) -> None:
+    def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
         if not self._globally_used[self._position[id(param)]]:
             return  # used on no rank: .grad stays as it was, as in torch's DDP
         if param.grad is None:  # unused here, used elsewhere: gets the average
             param.grad = self._new_grad(average)
         else:
-            super()._copy_grad_out(param, average)
+            super()._unload_one(param, average)
 
     def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
         return average.clone()
 
-    def _status_row(self, ready: torch.Tensor) -> Status:
+    def _status_row(self, ready: set[int]) -> list[int]:
+        used = []
+        if self.find_unused_parameters:
+            used = [0] * len(self.named_trainable)
+            for k in self._used:
+                used[k] = 1
+        return [*super()._status_row(ready), len(self._problems), *used]
+
+    def _went_wrong(self, status: list[int]) -> bool:
+        if self.find_unused_parameters:  # a missing gradient is allowed
+            self._globally_used = status[2:]
+            return status[1] > 0
+        return status[1] > 0 or super()._went_wrong(status)
+
+    def _error_row(self, ready: set[int]) -> Status:
         return {
-            **super()._status_row(ready),
-            "used": self._locally_used.clone(),
+            **super()._error_row(ready | set(self._unreached)),
             "problems": torch.tensor([len(self._problems)], dtype=torch.int32),
         }
-
-    def _exchange_status(self, row: Status) -> Status:
-        status = super()._exchange_status(row)
-        self._locally_used.zero_()
-        if self.find_unused_parameters:
-            self._globally_used = status["used"].sum(0).tolist()
-        return status
 
     def _raise_on_every_rank(self, status: Status) -> None:
         troubled = status["problems"][:, 0].nonzero().flatten().tolist()

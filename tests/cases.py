@@ -21,12 +21,18 @@ from tests.models import NetSpec, build_net
 # synchronised backward (tests/test_suite.py, property 6, says which).
 PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
 READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
-STATUS_WIDTH = {"ready": "n", "used": "n", "problems": 1}  # per column: n = trainable params
+# The status a stage sums over the ranks every synchronised backward, by column: the
+# integers each column takes for a model of n trainable parameters and the case's options.
+STATUS_WIDTH = {
+    "missing": lambda n, options: 1,
+    "problems": lambda n, options: 1,
+    "used": lambda n, options: n if options.get("find_unused_parameters") else 0,
+}
 
 
-def status_width(stage_cls: type, n: int) -> int:
-    """Entries in one rank's status row, for a stage whose model has n trainable params."""
-    return sum(n if STATUS_WIDTH[c] == "n" else STATUS_WIDTH[c] for c in stage_cls.status_columns)
+def status_width(stage_cls: type, n: int, options: dict) -> int:
+    """Integers in the status a stage sums, for a model of n trainable parameters."""
+    return sum(STATUS_WIDTH[c](n, options) for c in stage_cls.status_columns)
 
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.

@@ -183,7 +183,7 @@ def expected_calls(what, cls, case, trainable, buckets, rebuilds, step) -> list[
     if what == READY_ORDER:  # once, before the second synchronised step's forward
         return [("broadcast", (n,))] if rebuilds and step == 1 else []
     if what == STATUS:
-        return [("all_reduce", (case.world_size, status_width(cls, n)))]
+        return [("all_reduce", (status_width(cls, n, dict(case.options)),))]
     raise AssertionError(f"{cls.__name__} declares {what!r}, which the suite does not know")
 
 

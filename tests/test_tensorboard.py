@@ -186,10 +186,10 @@ def test_all_reduced_bytes_are_the_gradients(tensorboard: TensorBoard, run: str)
     order = [*STAGES, "torch_ddp"]
     later = lambda stage: order.index(run) >= order.index(stage)  # noqa: E731
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
-    # The stages that declare it also all-reduce a status row per rank: (W, width) int32.
+    # The stages that declare it also all-reduce a status: (width,) int32.
     declared = getattr(STAGES.get(run), "collectives", ())
     status = STATUS in declared
-    status_bytes = 4 * len(RANKS) * status_width(STAGES[run], n_params) if status else 0
+    status_bytes = 4 * status_width(STAGES[run], n_params, {}) if status else 0
     expected = {"gloo:all_reduce": steps * (grad_bytes + status_bytes)}
     # torch DDP, and the stages from buffers on, also broadcast rank 0's buffers at every
     # forward (broadcast_buffers=True); the earlier stages leave each rank's BatchNorm

@@ -1,0 +1,72 @@
+"""The final class's path per gradient is short: few Python calls of the project's own
+code per gradient in a warm synchronised backward, with default options.
+
+Each gradient's hook (stage overlapped) notes the gradient, counts its bucket down and,
+when the bucket is complete, hands it on; everything else the later stages do runs once
+per bucket or once per step. `sys.setprofile` counts every Python call made while
+backward runs, and the ones whose code lives in `stages/` or `ddp/` are divided by the
+number of gradients."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.pool import check_no_errors
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = tuple(str(ROOT / part) + "/" for part in ("stages", "ddp"))
+MAX_CALLS_PER_GRADIENT = 4
+
+
+def small_parameters_model(blocks: int = 48, width: int = 32) -> nn.Module:
+    """Many small parameters (4 per block, and a head's 2): where the cost per gradient
+    shows, since each one's compute is tiny."""
+    layers = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.LayerNorm(width))]
+    return nn.Sequential(*layers, nn.Linear(width, width))
+
+
+def calls_in_backward(rank: int, group, stage: str, options: dict) -> tuple[float, dict]:
+    """(project calls per gradient, the most frequent of them) in one warm backward."""
+    from stages import STAGES
+
+    torch.manual_seed(0)
+    model = small_parameters_model()
+    ddp = STAGES[stage](model, process_group=group, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    for _ in range(4):  # warm: the buckets rebuilt in ready order, as in training
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    loss = nn.functional.mse_loss(ddp(x), y)
+    calls: Counter = Counter()
+
+    def count(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(PROJECT):
+            where = frame.f_code.co_filename.removeprefix(str(ROOT) + "/")
+            calls[f"{where}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(count)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    gradients = sum(p.requires_grad for p in model.parameters())
+    return sum(calls.values()) / gradients, dict(calls.most_common(8))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_last_stage_costs_few_calls_per_gradient(pool, world_size: int) -> None:
+    for per_gradient, calls in check_no_errors(
+        pool.run(world_size, calls_in_backward, "drop_in", {})
+    ):
+        assert per_gradient <= MAX_CALLS_PER_GRADIENT, (
+            f"{per_gradient:.1f} Python calls of project code per gradient (at most "
+            f"{MAX_CALLS_PER_GRADIENT}); the most frequent: {calls}"
+        )
