@@ -164,10 +164,18 @@ def broadcast_module_states(
             )
 
 
-def broadcast_buffers(module: nn.Module, process_group: dist.ProcessGroup, src: int = 0) -> None:
-    """Copy group rank `src`'s buffers to every rank: one broadcast per dtype of buffer."""
+def broadcast_buffers(
+    module: nn.Module,
+    process_group: dist.ProcessGroup,
+    src: int = 0,
+    *,
+    buffers: list[torch.Tensor] | None = None,
+) -> None:
+    """Copy group rank `src`'s buffers to every rank: one broadcast per dtype of buffer.
+    `buffers`: the module's, listed once by a caller that broadcasts every step (listing
+    them walks every submodule: tens of microseconds on a deep model)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in module.buffers():
+    for buffer in module.buffers() if buffers is None else buffers:
         by_dtype.setdefault(buffer.dtype, []).append(buffer)
     for buffers in by_dtype.values():
         flat = torch.cat([b.detach().reshape(-1) for b in buffers])

@@ -34,6 +34,7 @@ class BuffersDDP(UnusedParamsDDP):
         super().__init__(module, **options)
         self.broadcast_buffers = broadcast_buffers
         self.require_forward_param_sync = True  # torch DDP's name
+        self._module_buffers = list(module.buffers())  # listed once, as torch's DDP does
         self._broadcast_initial_buffers()
 
     def _broadcast_initial_buffers(self) -> None:
@@ -46,7 +47,7 @@ class BuffersDDP(UnusedParamsDDP):
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers and self.require_forward_param_sync:
+        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
             self._broadcast_buffers()
         output = super().forward(*inputs, **kwargs)
         # The next forward broadcasts only if this one will synchronise its backward.
@@ -57,7 +58,7 @@ class BuffersDDP(UnusedParamsDDP):
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         """Every buffer of the module from group rank `src`, one broadcast per dtype."""
-        broadcast_buffers(self.module, self.process_group, src)
+        broadcast_buffers(self.module, self.process_group, src, buffers=self._module_buffers)
 
     # --8<-- [end:forward]
 

@@ -115,7 +115,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
         syncs = bool(syncs.item())
         if syncs:
             self._before_synced_forward()  # rebuilds, and whatever later stages add there
-        if self.broadcast_buffers and self.require_forward_param_sync:
+        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
             super()._broadcast_buffers(self._common_rank(candidate=False))
         self.require_forward_param_sync = syncs
         if syncs:
