@@ -86,7 +86,7 @@ class AutoBucketDDP(JoinDDP):
             )
         super().__init__(module, bucket_cap_mb=DEFAULT_CAP_MB if auto else bucket_cap_mb, **options)
         self.auto_bucket = auto
-        # status row position -> when its gradient was ready (a DeviceClock mark: on a
+        # position in named_trainable -> when its gradient was ready (a DeviceClock mark: on a
         # GPU, when the GPU finished it, not when the CPU queued it)
         self._ready_marks: dict[int, Mark] = {}
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen

@@ -7,7 +7,7 @@ the others wait for it in an all-reduce for ever. torch solves this with its gen
 same manager: it is a `Joinable`. While training, every forward tells the manager this
 rank is still in (one small all-reduce). A rank that has left the loop then *shadows*
 the others: for every step they still take, it joins the same collectives (the buffer
-broadcast, one all-reduce of zeros per bucket, the bitmap), contributing nothing.
+broadcast, one all-reduce of zeros per bucket, the status), contributing nothing.
 When every rank is done, the model is broadcast from the last rank to finish, so the
 replicas agree again.
 

@@ -122,6 +122,11 @@ class MissingGradsDDP(SkipSyncDDP):
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         """The status summed over every rank: (the tensor it lands in, its work)."""
+        for bucket, work in self._in_flight:
+            if bucket.sparse:
+                # On Gloo, a collective launched while a sparse all-reduce still runs on
+                # the same group corrupts the heap now and then (torch 2.13): not ours.
+                work.wait()
         status = torch.tensor(row, dtype=torch.int32, device=self._collective_device)
         return status, dist.all_reduce(status, group=self.process_group, async_op=True)
 

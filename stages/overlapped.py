@@ -38,8 +38,10 @@ class OverlappedDDP(BucketedDDP):
     def __init__(self, module: nn.Module, **options):
         super().__init__(module, **options)
         self._sync_this_backward = True  # stage skip_sync sets it at each forward
-        self._arrived: list[int] = []  # status row positions of the gradients, as they came
-        self._ready_times: list[float] | None = None  # when they came, if a stage asks
+        # Positions in named_trainable of the gradients, as they came, and when (if a
+        # later stage sets a list: a clock mark each).
+        self._arrived: list[int] = []
+        self._ready_times: list | None = None
         self._finish_queued = False  # this backward's end-of-backward callback is queued
         self._in_flight: list[tuple[Bucket, dist.Work]] = []
         self._register_hooks()
@@ -47,7 +49,7 @@ class OverlappedDDP(BucketedDDP):
     def _register_hooks(self) -> None:
         # Fires once per backward, after the parameter's gradient is summed into .grad
         # (once even for tied weights that receive gradient from two places). Each hook
-        # knows its parameter's position k in the status row and its bucket's index.
+        # knows its parameter's position k in named_trainable and its bucket's index.
         self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
         self._bucket_of = [0] * len(self.named_trainable)  # position k -> bucket index
         self._bucket_lengths = [len(b.params) for b in self.buckets]

@@ -46,7 +46,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
             raise ValueError(f"first_bucket_cap_mb must be > 0 MiB, got {first_bucket_cap_mb}")
         super().__init__(module, **options)
         self.first_bucket_cap_mb = first_bucket_cap_mb
-        self._ready_order: list[int] = []  # status row positions, as gradients became ready
+        self._ready_order: list[int] = []  # positions in named_trainable, first ready first
         self._synced_backwards = 0  # the same count on every rank
         self._rebuilt = False
 
@@ -72,8 +72,9 @@ class RebuiltBucketsDDP(GradViewsDDP):
     def _rebuild_buckets(
         self, ready_order: list[int], bucket_cap_mb: float, first_bucket_cap_mb: float | None
     ) -> None:
-        """New buckets in rank 0's `ready_order` (status row positions, first ready first;
-        the ones it lacks follow in position order); every rank must call this together."""
+        """New buckets in rank 0's `ready_order` (positions in named_trainable, first ready
+        first; the ones it lacks follow in position order); every rank must call this
+        together."""
         seen = dict.fromkeys(ready_order)  # in order, once each
         order = [*seen, *(k for k in range(len(self.named_trainable)) if k not in seen)]
         order_t = torch.tensor(order, dtype=torch.int64, device=self._collective_device)
@@ -118,7 +119,9 @@ class RebuiltBucketsDDP(GradViewsDDP):
     # --8<-- [start:backward]
     def _finish_backward(self) -> None:
         if not self._rebuilt and not self._ready_order and self._order_is_static():
-            self._ready_order = self._arrived[self._sync_from :]  # as they came, once
+            # As torch's reducer records it, once: what forward did not reach (stage
+            # unused_params marks it ready at the first gradient), then as they came.
+            self._ready_order = [*self._unreached, *self._arrived[self._sync_from :]]
         self._synced_backwards += 1
         super()._finish_backward()
 

@@ -7,15 +7,17 @@ before this one turns that into an error on every rank; with
 stage walks the autograd graph from forward's outputs and, at the first gradient of
 backward (as torch does), marks every parameter it does not reach as ready, with a
 zero (or its already accumulated) gradient, so its bucket still completes on time.
-The status all ranks sum at the end of backward gains which parameters each
-rank really used since the last synchronisation: a parameter that no rank used keeps
-its `.grad` as it was (as torch's DDP leaves it), one used anywhere gets the average.
+The status all ranks sum at the end of backward gains which parameters each rank
+really used since the last synchronisation: a parameter that no rank used keeps its
+`.grad` as it was (as torch's DDP leaves it), one used anywhere gets the average. It
+also gains how many problems each rank found (a gradient for a parameter marked unused,
+or one that came twice), which every rank then raises.
 
     torchrun --standalone --nproc-per-node 2 -m stages.unused_params --model mlp
 
-Cost: the graph walk after every forward, and n more integers in the status summed
-every synchronised backward (n: trainable parameters), both with the flag only, as
-torch's DDP exchanges its "used" bitmap only with the flag.
+Cost: one more integer in the status summed every synchronised backward; with the flag
+only, the graph walk after every forward and n more integers in the status (n:
+trainable parameters), as torch's DDP exchanges its "used" bitmap only with the flag.
 """
 
 from __future__ import annotations
