@@ -8,12 +8,6 @@ page already shows, folded (pymdownx.details) when longer than FOLD_LINES lines.
 stages are subclasses, each file holding only its new idea, so these blocks *are* the
 idea, and they cannot go stale: they are computed from the classes on every build.
 
-The final class is laid out the same way: `{{ method_chain("_mark_ready") }}` becomes a
-table of the stage methods that run when the last stage's `_mark_ready` is called, in
-MRO order, each with its file and line and whether it extends (calls `super()`) or
-replaces the ones below it; `{{ other_methods() }}` lists every stage method that no
-`method_chain` on the page named, so the page cannot silently leave one out.
-
 Also makes relative `pymdownx.snippets` base paths relative to mkdocs.yml, so the build
 works from any directory, not only the repository root.
 """
@@ -32,7 +26,7 @@ from pathlib import Path
 import torch
 from mkdocs.exceptions import PluginError
 
-FUNCTIONS = "stage_diff|method_chain|other_methods"
+FUNCTIONS = "stage_diff"
 PLACEHOLDER = re.compile(rf"\{{\{{\s*(?P<fn>{FUNCTIONS})\((?P<arg>.*?)\)\s*\}}\}}")
 QUOTED_NAME = re.compile(r"""\s*(?P<q>["'])(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P=q)\s*""")
 LEFTOVER = re.compile(rf"\{{\{{[^\n]*?({FUNCTIONS})[^\n]*")  # e.g. one missing its }}
@@ -70,23 +64,14 @@ def on_page_markdown(markdown, page, config, files):
             "fences as ``` { .python }, which ruff format leaves alone"
         )
 
-    chained: list[str] = []  # the methods this page's method_chain placeholders named
-
     def replace(match: re.Match) -> str:
         fn, arg = match.group("fn"), match.group("arg")
-        if fn == "other_methods":
-            if arg.strip():
-                raise PluginError(f"{page.file.src_uri}: other_methods() takes no argument")
-            return other_methods(chained)
         quoted = QUOTED_NAME.fullmatch(arg)
         if quoted is None:
             raise PluginError(
                 f"{page.file.src_uri}: bad placeholder {match.group(0)!r}; "
                 f'write {{{{ {fn}("<name>") }}}}'
             )
-        if fn == "method_chain":
-            chained.append(quoted.group("name"))
-            return method_chain(quoted.group("name"), where=page.file.src_uri)
         return stage_diff(
             quoted.group("name"), where=page.file.src_uri, shown=_shown_on_page(markdown)
         )
@@ -207,66 +192,6 @@ def stage_diff(name: str, where: str = "?", shown: dict[str, dict[str, str]] | N
     if not changed and not removed:
         out.append("No method changed.")
     return "\n\n".join(out) + "\n"
-
-
-def method_chain(method: str, where: str = "?") -> str:
-    """What runs when the last stage's `method` is called: every stage class in the MRO
-    that defines it, most derived first, until one that does not call `super()`."""
-    stages = load_stages()
-    final = list(stages.values())[-1]
-    definers = [k for k in _stage_mro(final) if method in vars(k)]
-    if not definers:
-        raise PluginError(
-            f"{where}: method_chain({method!r}): no stage class defines {method!r}; "
-            f"`{final.__name__}` has {sorted(_methods(final))}"
-        )
-    page_of = {klass: name for name, klass in stages.items()}
-    rows = ["| runs | stage | defined at | what it does with the one below |", "|---|---|---|---|"]
-    running = True
-    for n, klass in enumerate(definers):
-        func = _function(vars(klass)[method])
-        extends = _calls_super(func, method)
-        where_defined = f"`{_path(klass)}:{inspect.getsourcelines(inspect.unwrap(func))[1]}`"
-        if not running:
-            role, runs = "not reached", "no"
-        elif extends:
-            role, runs = f"extends: calls `super().{method}(...)`", "yes"
-        elif n == len(definers) - 1 and not _torch_definer(final, method):
-            role, runs = "first defines it: nothing below", "yes"
-        else:
-            role, runs = "replaces: does not call `super()`", "yes"
-        stage = page_of.get(klass)
-        link = f"[{stage}](stages/{stage}.md)" if stage else "(the last stage's base)"
-        rows.append(f"| {runs} | {link} `{klass.__name__}` | {where_defined} | {role} |")
-        running = running and extends
-    torch_def = _torch_definer(final, method)
-    if running and torch_def:
-        rows.append(f"| yes | torch | `{torch_def}` | the end of the chain |")
-    n_run = sum(1 for row in rows[2 : 2 + len(definers)] if row.startswith("| yes"))
-    lead = (
-        f"`{final.__name__}.{method}`: {n_run} of {len(definers)} stage "
-        f"definition{'s' if len(definers) != 1 else ''} run"
-        + (f", then `{torch_def}`." if running and torch_def else ".")
-    )
-    return lead + "\n\n" + "\n".join(rows) + "\n"
-
-
-def other_methods(named: list[str]) -> str:
-    """Every stage method of the last stage that no method_chain on the page named."""
-    final = list(load_stages().values())[-1]
-    rest = [(m, owner) for m, (owner, _) in _methods(final).items() if m not in named]
-    counts = {m: sum(1 for k in _stage_mro(final) if m in vars(k)) for m, _ in rest}
-    rows = ["| method | defined by (the one that runs) | definitions |", "|---|---|---:|"]
-    for method, owner in sorted(rest, key=lambda mo: mo[0].lstrip("_")):
-        line = inspect.getsourcelines(inspect.unwrap(_function(vars(owner)[method])))[1]
-        rows.append(
-            f"| `{method}` | `{owner.__name__}`, `{_path(owner)}:{line}` | {counts[method]} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
-def _stage_mro(cls: type) -> list[type]:
-    return [k for k in cls.__mro__ if k.__module__.split(".")[0] == "stages"]
 
 
 def _calls_super(func, method: str) -> bool:

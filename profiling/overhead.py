@@ -33,7 +33,7 @@ per parameter; and the ratio of a variant's added time to torch_ddp's, per round
 the median and range over rounds (rounds where torch_ddp added nothing measurable are
 left out of the ratio and counted); and each variant's step time over torch_ddp's in
 the same round (median and range), which is what a GPU user pays. With the defaults,
-both world sizes take about 1-2 minutes on 2 cores. Nothing is written but --json.
+both world sizes take about 1-2 minutes on 2 cores. Nothing is written but --json and --markdown.
 
 On a GPU (--backend nccl, one GPU per rank), --model resnet50 or gpt2_small times
 models of those sizes (`profiling.sized_models`) instead: there a wrapper's CPU time
@@ -67,7 +67,14 @@ from ddp.dist import replicas_identical, setup_process_group, teardown_process_g
 from ddp.heap import steady_heap
 from ddp.progress import Progress
 from ddp.train import Wrap, torch_ddp_wrap
-from profiling.report import command_line, load_average, machine, write_json
+from profiling.report import (
+    command_line,
+    load_average,
+    machine,
+    markdown_table,
+    produced_by,
+    write_json,
+)
 from profiling.sized_models import SIZED, example_batch, loss_of
 
 SMALL = "small"  # the many-small-parameters model: the default workload
@@ -391,6 +398,40 @@ def format_table(result: dict, rounds: int, last: str | None) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: dict[str, dict], command: str, host: dict, rounds: int) -> str:
+    """The docs' fragment: per variant and world size, the time it adds per step over
+    the bare model and that over torch_ddp's (medians of the rounds, with the range)."""
+    worlds = list(results)
+    header = ["variant"]
+    for w in worlds:
+        header += [f"added µs/step, {_ranks(int(w))}", f"× {REFERENCE}'s"]
+    body = []
+    for name in next(iter(results.values()))["variants"]:
+        if name == BARE:
+            continue
+        row = [f"`{name}`"]
+        for w in worlds:
+            v = results[w]["variants"][name]
+            ratio = v["ratio"]
+            row += [
+                f"{v['added_us']['median']:.0f}",
+                "" if ratio is None else f"{ratio['median']:.2f} {_range(ratio, '.2f')}",
+            ]
+        body.append(row)
+    bare = ", ".join(
+        f"{results[w]['variants'][BARE]['step_us']['median']:.0f} µs at {_ranks(int(w))}"
+        for w in worlds
+    )
+    return (
+        produced_by([command], f" on {host['cpu']} ({host['cores']} cores), torch {host['torch']}")
+        + "\n\n"
+        + markdown_table(header, body)
+        + f"\n\nThe bare model's step: {bare}. Medians of {rounds} interleaved rounds, "
+        "[min–max] over them; added = the variant's step minus the bare model's in the same "
+        "round. One run on a shared machine: another differs by about the ranges shown.\n"
+    )
+
+
 def _ranks(world: int) -> str:
     return f"{world} rank{'s' if world > 1 else ''}"
 
@@ -495,8 +536,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--json",
         default="",
         metavar="FILE",
-        help="write every result here as JSON; nothing else is written",
+        help="write every result here as JSON",
     )
+    add("--markdown", default="", metavar="FILE", help="write the docs' table here")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
@@ -561,8 +603,10 @@ def main(argv: list[str] | None = None) -> None:
         differ = [n for n, ok in record["replicas_identical"].items() if ok is False]
         if differ:
             print(f"warning: replicas differ after the run at {_ranks(world)} for {differ}")
+    command = command_line("profiling.overhead", argv, python=shlex.quote(python))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, command, host, args.rounds))
     if args.json:
-        command = command_line("profiling.overhead", argv, python=shlex.quote(python))
         write_json(args.json, {
             # threads_per_rank: what every rank sets, whatever the parent has
             "command": command,

@@ -38,7 +38,7 @@ PAGES = [
 # bullet or an admonition that Markdown took for a paragraph.
 RAW = {
     "snippet marker": re.compile(r"--8<--"),
-    "placeholder": re.compile(r"\{\{|\b(stage_diff|method_chain|other_methods)\("),
+    "placeholder": re.compile(r"\{\{|\bstage_diff\("),
     "Markdown bullet": re.compile(r"(^|\s)- \*\*"),
     "Markdown bold": re.compile(r"\*\*\w[^*\n]*\w\*\*"),
     "admonition source": re.compile(r"(^|\n)\s*(!!!|\?\?\?\+?) \w"),

@@ -63,14 +63,19 @@ def test_a_tiny_run_on_one_and_two_ranks(tmp_path: Path):
     out = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "profiling.overhead", "--nproc", "1,2", "--rounds", "2",
                "--steps", "2", "--warmup", "1", "--variants", "naive,drop_in", "--blocks", "4",
-               "--json", str(out)]  # fmt: skip
+               "--json", str(out), "--markdown", str(tmp_path / "overhead.md")]  # fmt: skip
     # From another directory: the command must not depend on being run from the checkout.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["overhead.json"]  # nothing else
+    # Nothing else written, and the docs' table has a row per variant but bare.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overhead.json", "overhead.md"]
+    table = (tmp_path / "overhead.md").read_text()
+    assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `")] == [
+        "| `naive`", "| `drop_in`", f"| `{REFERENCE}`"
+    ]  # fmt: skip
     data = json.loads(out.read_text())
     assert data["settings"]["parameters"] == 4 * 4 + 2
     names = [BARE, "naive", "drop_in", REFERENCE]

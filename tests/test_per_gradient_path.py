@@ -70,3 +70,12 @@ def test_the_last_stage_costs_few_calls_per_gradient(pool, world_size: int) -> N
             f"{per_gradient:.1f} Python calls of project code per gradient (at most "
             f"{MAX_CALLS_PER_GRADIENT}); the most frequent: {calls}"
         )
+
+
+def test_only_stage_overlapped_works_per_gradient() -> None:
+    """Later stages extend per bucket or per step (docs/final_class.md's table), so the
+    path per gradient stays the one a learner reads on that page."""
+    from stages import STAGES
+
+    per_gradient = [name for name, cls in STAGES.items() if "_on_grad_ready" in vars(cls)]
+    assert per_gradient == ["overlapped"]
