@@ -46,11 +46,17 @@ def calls_in_backward(rank: int, group, stage: str, options: dict) -> tuple[floa
         optimizer.zero_grad()
     loss = nn.functional.mse_loss(ddp(x), y)
     calls: Counter = Counter()
+    spans: Counter = Counter()  # profiler spans opened, by any code (none while none records)
 
     def count(frame, event, arg) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(PROJECT):
-            where = frame.f_code.co_filename.removeprefix(str(ROOT) + "/")
-            calls[f"{where}:{frame.f_code.co_name}"] += 1
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(PROJECT):
+            where = code.co_filename.removeprefix(str(ROOT) + "/")
+            calls[f"{where}:{code.co_name}"] += 1
+        elif code.co_name == "__enter__" and "self" in frame.f_locals:
+            spans[type(frame.f_locals["self"]).__name__] += 1
 
     sys.setprofile(count)
     try:
@@ -58,6 +64,7 @@ def calls_in_backward(rank: int, group, stage: str, options: dict) -> tuple[floa
     finally:
         sys.setprofile(None)
     gradients = sum(p.requires_grad for p in model.parameters())
+    assert spans["record_function"] == 0, f"profiler spans with no profiler: {dict(spans)}"
     return sum(calls.values()) / gradients, dict(calls.most_common(8))
 
 
@@ -79,3 +86,51 @@ def test_only_stage_overlapped_works_per_gradient() -> None:
 
     per_gradient = [name for name, cls in STAGES.items() if "_on_grad_ready" in vars(cls)]
     assert per_gradient == ["overlapped"]
+
+
+def collective_order(rank: int, group, stage: str) -> list[str]:
+    """What one warm synchronised backward issues and waits for, in order: 'bucket' and
+    'status' for each all-reduce launched, 'wait' for each wait on one."""
+    import torch.distributed as dist
+
+    from stages import STAGES
+
+    torch.manual_seed(0)
+    model = small_parameters_model(blocks=8)
+    ddp = STAGES[stage](model, process_group=group, bucket_cap_mb=0.004)  # a few buckets
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    for _ in range(3):
+        nn.functional.mse_loss(ddp(x), y).backward()
+    events: list[str] = []
+    all_reduce = dist.all_reduce
+
+    class Waited:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def recorded(tensor, *args, **kwargs):
+        events.append("status" if tensor.dtype == torch.int32 else "bucket")
+        work = all_reduce(tensor, *args, **kwargs)
+        return Waited(work) if work is not None else None
+
+    loss = nn.functional.mse_loss(ddp(x), y)
+    dist.all_reduce = recorded
+    try:
+        loss.backward()
+    finally:
+        dist.all_reduce = all_reduce
+    return events
+
+
+def test_the_status_leaves_with_the_last_bucket_not_after_it(pool) -> None:
+    """missing_grads' status is all-reduced right after the last bucket is launched,
+    before any bucket is waited for: it rides with the buckets, and adds no round trip
+    after them."""
+    for events in check_no_errors(pool.run(2, collective_order, "drop_in")):
+        buckets = events.count("bucket")
+        assert buckets > 1 and events[: buckets + 1] == ["bucket"] * buckets + ["status"], events
+        assert events.count("status") == 1, events  # nothing went wrong: nothing more
