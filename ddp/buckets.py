@@ -21,6 +21,9 @@ class Bucket:
     # flat, one dtype and device, numel = sum of the params' numel; or, for a parameter
     # whose gradients are sparse, that gradient itself, alone in its bucket
     buffer: torch.Tensor
+    # Elements after the gradients in `buffer`, for a few numbers that travel in the same
+    # all-reduce (stage missing_grads' status), so they cost no collective of their own.
+    tail: int = 0
     nbytes: int = field(init=False)
     sparse: bool = field(init=False)  # a sparse gradient's bucket: no flat buffer, no views
     # Per parameter, the slice of `buffer` that holds its gradient, shaped like it. Made
@@ -28,12 +31,26 @@ class Bucket:
     # copies every gradient in and out.
     views: list[torch.Tensor] = field(init=False)
     span: str = field(init=False)  # the label of its all-reduce in traces, made once too
+    gradients: torch.Tensor = field(init=False)  # `buffer` less its tail (dense buckets)
+    status: torch.Tensor | None = field(init=False)  # the tail, or None without one
 
     def __post_init__(self) -> None:
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.sparse = self.buffer.is_sparse
         self.views = self._make_views()
         self.span = allreduce_span(f"bucket {self.index}", self.nbytes)
+        grads = self.buffer.numel() - self.tail
+        self.gradients = self.buffer if self.sparse else self.buffer.narrow(0, 0, grads)
+        self.status = self.buffer.narrow(0, grads, self.tail) if self.tail else None
+
+    def with_tail(self, tail: int) -> Bucket:
+        """This bucket with room for `tail` more elements after its gradients (a new,
+        zeroed buffer: call it before the bucket holds anything)."""
+        if tail == self.tail or self.sparse:
+            return self
+        numel = self.buffer.numel() - self.tail + tail
+        buffer = torch.zeros(numel, dtype=self.buffer.dtype, device=self.buffer.device)
+        return Bucket(self.index, self.names, self.params, self.offsets, buffer, tail)
 
     def _make_views(self) -> list[torch.Tensor]:
         members = [] if self.sparse else zip(self.offsets, self.params, strict=True)
@@ -45,11 +62,11 @@ class Bucket:
     # Pickle copies each view's storage on its own, so views unpickled would no longer
     # be slices of the unpickled buffer: they are made again from it instead.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "views"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("views", "gradients", "status")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.views = self._make_views()
+        self.__post_init__()
 
     def view_of(self, i: int) -> torch.Tensor:
         """The slice of `buffer` that holds parameter i's gradient, shaped like it."""

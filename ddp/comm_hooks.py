@@ -36,7 +36,7 @@ class GradBucket:
 
     def __init__(self, bucket: Bucket, is_last: bool):
         self._bucket = bucket
-        self._buffer = bucket.buffer
+        self._buffer = bucket.gradients if bucket.tail else bucket.buffer  # no status
         self._is_last = is_last
 
     def index(self) -> int:

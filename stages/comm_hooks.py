@@ -76,10 +76,14 @@ class CommHooksDDP(RebuiltBucketsDDP):
             if result.is_sparse:
                 bucket.buffer = result
             elif result.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(result)  # e.g. a half-precision result, cast back
+                bucket.gradients.copy_(result)  # e.g. a half-precision result, cast back
             return bucket.buffer
 
         return future.then(write_back)
+
+    def _status_can_ride(self) -> bool:
+        # A hook would see the status in the bucket, and compress it with the gradients.
+        return super()._status_can_ride() and self._comm_hook is None
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         # A hook may issue collectives from its future's callbacks, on a Gloo thread

@@ -125,18 +125,26 @@ class JoinDDP(RoundRobinDDP, Joinable):
         """The backward the others run: every bucket, in order, with zeros from us; then
         the status of a rank that misses nothing and used nothing (and, if the others'
         says something went wrong, the row of such a rank)."""
+        # As a rank whose every gradient came once, and that used nothing.
+        everything = list(range(len(self.named_trainable)))
+        self._arrived, self._sync_from = everything, 0
+        self._unreached, self._problems, self._used = [], [], set()
+        self._status_rides = self._status_can_ride()  # as the others decide it
         self._in_flight = []  # a comm hook waits for the bucket before it, as in backward
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            self._in_flight.append((bucket, self._send(bucket)))
-        everything = set(range(len(self.named_trainable)))
-        self._unreached, self._problems, self._used = [], [], set()
-        status, work = self._send_status(self._status_row(everything))
-        for _, work_ in self._in_flight:
-            work_.wait()
-        work.wait()
-        if self._went_wrong(status.tolist()):
-            self._exchange_status(self._error_row(everything))
+            self._in_flight.append((bucket, self._send(bucket)))  # the last, with the status
+        status = None if self._status_rides else self._send_status(self._status_row(everything))
+        for _, work in self._in_flight:
+            work.wait()
+        if status is None:
+            summed = [round(x) for x in self.buckets[-1].status.tolist()]
+        else:
+            status[1].wait()
+            summed = status[0].tolist()
+        self._arrived = []
+        if self._went_wrong(summed):
+            self._exchange_status(self._error_row(set(everything)))
         self._synced_backwards += 1
 
 

@@ -7,17 +7,19 @@ other ranks, whose backward did produce the gradient, wait in that all-reduce fo
 
 This stage keeps every rank in step whatever happened. At the end of backward it
 completes every bucket, with zeros for the gradients that did not come, so every rank
-issues the same all-reduces in the same order. Right after the last bucket, one tiny
-all-reduce sums a status over the ranks: how many gradients each missed. In the common
-case it is zero and that is all; otherwise every rank sends which gradients it had
-(one more all-reduce), and every rank raises the same error, naming the parameters and
-the ranks. The process group stays usable afterwards.
+issues the same all-reduces in the same order. The last bucket carries a status after
+its gradients, summed over the ranks with them: how many gradients each rank missed. In
+the common case it is zero and that is all; otherwise every rank sends which gradients
+it had (one more all-reduce), and every rank raises the same error, naming the
+parameters and the ranks. The process group stays usable afterwards.
 
     torchrun --standalone --nproc-per-node 2 -m stages.missing_grads --model mlp
 
-Cost: one all-reduce of a few integers per synchronised backward, in flight with the
-last bucket. torch's DDP does not pay it: there, a gradient missing on one rank hangs
-the others until the process group's timeout.
+Cost: a few numbers more in the last bucket's all-reduce, and reading them back once
+per synchronised backward (on a GPU, a wait for the last bucket). torch's DDP does not
+pay it: there, a gradient missing on one rank hangs the others until the process
+group's timeout. A comm hook would see the status in the bucket: with one registered it
+travels in a small all-reduce of its own, right after the last bucket.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ _is_none = partial(operator.is_, None)
 class MissingGradsDDP(SkipSyncDDP):
     """Stage 5: every bucket completes on every rank; a missing gradient raises everywhere."""
 
+    # The status's all-reduce is the last bucket's where it rides there (below).
     collectives = (*SkipSyncDDP.collectives, "all_reduce of the status")
     # The status, summed over ranks every synchronised backward, by column, each one
-    # integer wide: "missing", how many gradients did not come. Later stages add columns.
+    # number wide: "missing", how many gradients did not come. Later stages add columns.
+    # It travels in the last bucket's all-reduce, after the gradients (`Bucket.tail`),
+    # unless a later stage says it cannot (`_status_can_ride`): then in one of its own.
     status_columns: tuple[str, ...] = ("missing",)
     # What each rank tells the others when the status is not all zeros, so that every
     # rank can name what went wrong where: "ready" has one entry per trainable parameter
@@ -55,6 +60,15 @@ class MissingGradsDDP(SkipSyncDDP):
         super().__init__(module, **options)
         self.rank = dist.get_rank(self.process_group)
         self._all_arrived = True  # every gradient came in the last synchronised backward
+        self._status_rides = False  # in the last bucket's all-reduce, this step
+        self._told_ready: set[int] = set()  # the positions the last status counted as come
+
+    def _register_hooks(self) -> None:
+        # Runs after every (re)build of the buckets: the last one, if dense, gets room
+        # for the status after its gradients.
+        if self.buckets:
+            self.buckets[-1] = self.buckets[-1].with_tail(len(self.status_columns))
+        super()._register_hooks()
 
     @property
     def _collective_device(self) -> torch.device:
@@ -68,22 +82,50 @@ class MissingGradsDDP(SkipSyncDDP):
 
     # --8<-- [end:construction]
 
+    # --8<-- [start:forward]
+    def _prepare_for_backward(self) -> None:
+        super()._prepare_for_backward()
+        self._status_rides = self._status_can_ride()
+
+    def _status_can_ride(self) -> bool:
+        """Whether the status can travel in the last bucket's all-reduce this step."""
+        return bool(self.buckets) and self.buckets[-1].tail > 0
+
+    # --8<-- [end:forward]
+
+    # --8<-- [start:backward]
+    def _send(self, bucket: Bucket) -> dist.Work:
+        if bucket.status is not None and self._status_rides:  # after the division
+            row = self._status_row(self._arrived[self._sync_from :])
+            for i, value in enumerate(row):  # a fill each, not a copy: on a GPU, no wait
+                bucket.status[i].fill_(value)
+        return super()._send(bucket)
+
+    # --8<-- [end:backward]
+
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
-        ready = set(self._arrived[self._sync_from :])
+        arrived = self._arrived[self._sync_from :]
+        ready = set(arrived)
         self._all_arrived = len(ready) == len(self.named_trainable)
         # Complete every bucket, so that every rank issues the same all-reduces in the
         # same order and none can hang: what did not come adds the gradient the parameter
-        # already holds (from no_sync() micro-batches), else zeros (`_fill`, below).
+        # already holds (from no_sync() micro-batches), else zeros (`_fill`, below). The
+        # last one takes the status with it, counting what is missing.
         if self._next_bucket < len(self.buckets):
             self._pending = [0] * len(self.buckets)
             self._launch_ready_buckets()
-        # The status leaves right after the last bucket, not after it has landed.
-        status = self._send_status(self._status_row(ready))
+        status = None if self._status_rides else self._send_status(self._status_row(arrived))
         super()._finish_backward()  # waits for every bucket and copies the averages out
-        status[1].wait()
-        if self._went_wrong(status[0].tolist()):  # all zeros in the common case: done
-            self._raise_on_every_rank(self._exchange_status(self._error_row(ready)))
+        if status is None:  # summed in the last bucket's tail, as floats
+            summed = [round(abs(x)) for x in self.buckets[-1].status.tolist()]
+        else:
+            status[1].wait()
+            summed = status[0].tolist()
+        if self._went_wrong(summed):  # all zeros in the common case: done
+            # What came by the time the status left: a gradient that came after its
+            # bucket had gone (the one before it came twice) counts as missing.
+            self._raise_on_every_rank(self._exchange_status(self._error_row(self._told_ready)))
 
     def _fill(self, bucket: Bucket) -> None:
         if not any(map(_is_none, [p.grad for p in bucket.params])):
@@ -116,12 +158,15 @@ class MissingGradsDDP(SkipSyncDDP):
         else:
             param.grad.copy_(average)
 
-    def _status_row(self, ready: set[int]) -> list[int]:
-        """This rank's part of the status, one integer per column."""
-        return [len(self.named_trainable) - len(ready)]
+    def _status_row(self, arrived: list[int]) -> list[int]:
+        """This rank's part of the status, one integer per column, from the positions of
+        the gradients that came in this backward so far."""
+        self._told_ready = set(arrived)
+        return [len(self.named_trainable) - len(self._told_ready)]
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
-        """The status summed over every rank: (the tensor it lands in, its work)."""
+        """The status summed over every rank in an all-reduce of its own, where it cannot
+        ride in the last bucket's: (the tensor it lands in, its work)."""
         for bucket, work in self._in_flight:
             if bucket.sparse:
                 # On Gloo, a collective launched while a sparse all-reduce still runs on

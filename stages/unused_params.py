@@ -35,11 +35,12 @@ from stages.missing_grads import MissingGradsDDP, Status
 class UnusedParamsDDP(MissingGradsDDP):
     """Stage 6: `find_unused_parameters`: what forward does not reach counts as ready."""
 
-    # Two more columns of the status summed every synchronised backward: "problems", how
-    # many this rank noted inside backward; "used", with find_unused_parameters only, one
-    # per parameter, 1 if this rank produced its gradient since the last synchronisation
-    # (no_sync() backwards included): torch's "local used map", summed.
-    status_columns = (*MissingGradsDDP.status_columns, "problems", "used")
+    # One more column of the status summed every synchronised backward: "problems", how
+    # many this rank noted in backward. With find_unused_parameters, n numbers follow it
+    # ("used"): 1 per parameter whose gradient this rank produced since the last
+    # synchronisation (no_sync() backwards included), torch's "local used map", summed;
+    # and the status then travels in an all-reduce of its own.
+    status_columns = (*MissingGradsDDP.status_columns, "problems")
     error_columns = (*MissingGradsDDP.error_columns, "problems")
 
     def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False, **options):
@@ -66,6 +67,11 @@ class UnusedParamsDDP(MissingGradsDDP):
 
     # --8<-- [end:forward]
 
+    def _status_can_ride(self) -> bool:
+        # With the flag, the used map is n numbers, and a gradient of a parameter marked
+        # unused may still come after the last bucket has left.
+        return super()._status_can_ride() and not self.find_unused_parameters
+
     # --8<-- [start:backward]
     def _start_backward(self) -> None:
         super()._start_backward()
@@ -81,6 +87,9 @@ class UnusedParamsDDP(MissingGradsDDP):
         arrived = self._arrived[self._sync_from :]
         if self.find_unused_parameters:  # no_sync() micro-batches count as used
             self._used = set(self._arrived)
+        # Where the status rode in the last bucket, nothing can have come since: within
+        # one backward autograd accumulates each gradient once, so the last bucket
+        # leaves after every gradient came.
         self._problems = self._problems_in(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status
@@ -124,13 +133,14 @@ class UnusedParamsDDP(MissingGradsDDP):
     def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
         return average.clone()
 
-    def _status_row(self, ready: set[int]) -> list[int]:
+    def _status_row(self, arrived: list[int]) -> list[int]:
         used = []
         if self.find_unused_parameters:
             used = [0] * len(self.named_trainable)
             for k in self._used:
                 used[k] = 1
-        return [*super()._status_row(ready), len(self._problems), *used]
+        problems = len(self._problems_in(arrived))
+        return [*super()._status_row(arrived), problems, *used]
 
     def _went_wrong(self, status: list[int]) -> bool:
         if self.find_unused_parameters:  # a missing gradient is allowed

@@ -21,18 +21,19 @@ from tests.models import NetSpec, build_net
 # synchronised backward (tests/test_suite.py, property 6, says which).
 PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
 READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
-# The status a stage sums over the ranks every synchronised backward, by column: the
-# integers each column takes for a model of n trainable parameters and the case's options.
-STATUS_WIDTH = {
-    "missing": lambda n, options: 1,
-    "problems": lambda n, options: 1,
-    "used": lambda n, options: n if options.get("find_unused_parameters") else 0,
-}
 
 
 def status_width(stage_cls: type, n: int, options: dict) -> int:
-    """Integers in the status a stage sums, for a model of n trainable parameters."""
-    return sum(STATUS_WIDTH[c](n, options) for c in stage_cls.status_columns)
+    """Numbers in the status a stage sums over the ranks, for a model of n trainable
+    parameters: one per column, and with find_unused_parameters its n-wide used map."""
+    used = n if options.get("find_unused_parameters") else 0
+    return len(stage_cls.status_columns) + used
+
+
+def status_rides(options: dict) -> bool:
+    """Whether the status travels in the last bucket's all-reduce (the suite's models
+    have dense gradients), not in one of its own."""
+    return not options.get("find_unused_parameters") and not options.get("comm_hook")
 
 
 # Options that torch's DDP has too; the torch_ddp row draws them like the stages do.
@@ -155,7 +156,7 @@ def run_case(rank: int, group: dist.ProcessGroup, case: Case) -> RankRun:
     wrapped = wrap(case, model, group, log)
     run = RankRun(init=[p.detach().clone() for p in model.parameters()])
     if hasattr(wrapped, "buckets"):
-        run.bucket_sizes = [b.buffer.numel() for b in wrapped.buckets]
+        run.bucket_sizes = [b.buffer.numel() - b.tail for b in wrapped.buckets]  # gradients
     optimizer = make_optimizer(case.optimizer, wrapped.parameters())
     part = slice(rank * case.per_rank_batch, (rank + 1) * case.per_rank_batch)
     for step in range(case.steps):

@@ -88,7 +88,7 @@ def test_only_stage_overlapped_works_per_gradient() -> None:
     assert per_gradient == ["overlapped"]
 
 
-def collective_order(rank: int, group, stage: str) -> list[str]:
+def collective_order(rank: int, group, stage: str, options: dict) -> list[str]:
     """What one warm synchronised backward issues and waits for, in order: 'bucket' and
     'status' for each all-reduce launched, 'wait' for each wait on one."""
     import torch.distributed as dist
@@ -97,7 +97,7 @@ def collective_order(rank: int, group, stage: str) -> list[str]:
 
     torch.manual_seed(0)
     model = small_parameters_model(blocks=8)
-    ddp = STAGES[stage](model, process_group=group, bucket_cap_mb=0.004)  # a few buckets
+    ddp = STAGES[stage](model, process_group=group, bucket_cap_mb=0.004, **options)
     x, y = torch.randn(8, 32), torch.randn(8, 32)
     for _ in range(3):
         nn.functional.mse_loss(ddp(x), y).backward()
@@ -126,11 +126,15 @@ def collective_order(rank: int, group, stage: str) -> list[str]:
     return events
 
 
-def test_the_status_leaves_with_the_last_bucket_not_after_it(pool) -> None:
-    """missing_grads' status is all-reduced right after the last bucket is launched,
-    before any bucket is waited for: it rides with the buckets, and adds no round trip
-    after them."""
-    for events in check_no_errors(pool.run(2, collective_order, "drop_in")):
+def test_the_status_travels_in_the_last_buckets_all_reduce(pool) -> None:
+    """missing_grads' status costs no collective of its own: it rides after the last
+    bucket's gradients. Where it cannot (find_unused_parameters' n-wide used map), its
+    own all-reduce leaves right after the last bucket, before any bucket is waited for."""
+    for events in check_no_errors(pool.run(2, collective_order, "drop_in", {})):
         buckets = events.count("bucket")
-        assert buckets > 1 and events[: buckets + 1] == ["bucket"] * buckets + ["status"], events
+        assert buckets > 1 and events == ["bucket"] * buckets + ["wait"] * buckets, events
+    unused = {"find_unused_parameters": True}
+    for events in check_no_errors(pool.run(2, collective_order, "drop_in", unused)):
+        buckets = events.count("bucket")
+        assert events[: buckets + 1] == ["bucket"] * buckets + ["status"], events
         assert events.count("status") == 1, events  # nothing went wrong: nothing more

@@ -186,7 +186,8 @@ def test_all_reduced_bytes_are_the_gradients(tensorboard: TensorBoard, run: str)
     order = [*STAGES, "torch_ddp"]
     later = lambda stage: order.index(run) >= order.index(stage)  # noqa: E731
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
-    # The stages that declare it also all-reduce a status: (width,) int32.
+    # The stages that declare it also sum a status, one 4-byte number a column: in the
+    # last bucket's all-reduce (float32), as the default options have it.
     declared = getattr(STAGES.get(run), "collectives", ())
     status = STATUS in declared
     status_bytes = 4 * status_width(STAGES[run], n_params, {}) if status else 0
