@@ -18,7 +18,7 @@ class Bucket:
     names: list[str]
     params: list[nn.Parameter]
     offsets: list[int]  # element offset of each parameter's gradient in `buffer`
-    # flat, one dtype and device, numel = sum of the params' numel; or, for a parameter
+    # flat, one dtype and device, numel = sum of the params' numel (+ tail); or, for a parameter
     # whose gradients are sparse, that gradient itself, alone in its bucket
     buffer: torch.Tensor
     # Elements after the gradients in `buffer`, for a few numbers that travel in the same

@@ -53,6 +53,8 @@ class CommHooksDDP(RebuiltBucketsDDP):
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
         self._comm_hook, self._comm_state = hook, state
+        if self._awaiting_sync and not self._finish_queued:  # between a forward and its backward
+            self._prepare_for_backward()  # the step's facts again: divisor, status's route
 
     def _grad_divisor(self) -> int:
         # A hook gets the sum and averages by itself, as torch's built-in hooks do.

@@ -138,7 +138,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
         for _, work in self._in_flight:
             work.wait()
         if status is None:
-            summed = [round(x) for x in self.buckets[-1].status.tolist()]
+            summed = self._read_tail()
         else:
             status[1].wait()
             summed = status[0].tolist()

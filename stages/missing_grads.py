@@ -44,7 +44,7 @@ _is_none = partial(operator.is_, None)
 class MissingGradsDDP(SkipSyncDDP):
     """Stage 5: every bucket completes on every rank; a missing gradient raises everywhere."""
 
-    # The status's all-reduce is the last bucket's where it rides there (below).
+    # Where the status rides in the last bucket (below), its all-reduce is that bucket's.
     collectives = (*SkipSyncDDP.collectives, "all_reduce of the status")
     # The status, summed over ranks every synchronised backward, by column, each one
     # number wide: "missing", how many gradients did not come. Later stages add columns.
@@ -53,7 +53,7 @@ class MissingGradsDDP(SkipSyncDDP):
     status_columns: tuple[str, ...] = ("missing",)
     # What each rank tells the others when the status is not all zeros, so that every
     # rank can name what went wrong where: "ready" has one entry per trainable parameter
-    # (in `named_trainable` order), 1 if its gradient came in this backward.
+    # (in `named_trainable` order), 1 if its gradient had come when the status left.
     error_columns: tuple[str, ...] = ("ready",)
 
     def __init__(self, module: nn.Module, **options):
@@ -117,8 +117,8 @@ class MissingGradsDDP(SkipSyncDDP):
             self._launch_ready_buckets()
         status = None if self._status_rides else self._send_status(self._status_row(arrived))
         super()._finish_backward()  # waits for every bucket and copies the averages out
-        if status is None:  # summed in the last bucket's tail, as floats
-            summed = [round(abs(x)) for x in self.buckets[-1].status.tolist()]
+        if status is None:
+            summed = self._read_tail()
         else:
             status[1].wait()
             summed = status[0].tolist()
@@ -157,6 +157,11 @@ class MissingGradsDDP(SkipSyncDDP):
             param.grad = average.clone()
         else:
             param.grad.copy_(average)
+
+    def _read_tail(self) -> list[int]:
+        """The status as the last bucket's all-reduce summed it: floats of the gradients'
+        dtype (complex ones too, hence abs), whole numbers, only zero or not matters."""
+        return [round(abs(x)) for x in self.buckets[-1].status.tolist()]
 
     def _status_row(self, arrived: list[int]) -> list[int]:
         """This rank's part of the status, one integer per column, from the positions of

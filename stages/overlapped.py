@@ -126,6 +126,8 @@ class OverlappedDDP(BucketedDDP):
     def _launch_ready_buckets(self) -> None:
         """Launch, in bucket order, every bucket whose gradients have all come: per bucket,
         fill its buffer, then send it (an all-reduce that runs while backward goes on)."""
+        # `<= 0`: a count goes below zero when a gradient counted as unused (stage
+        # unused_params) comes after all, which is noted and raised at the end.
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] <= 0:
             bucket = self.buckets[self._next_bucket]
             self._fill(bucket)

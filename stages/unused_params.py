@@ -89,7 +89,9 @@ class UnusedParamsDDP(MissingGradsDDP):
             self._used = set(self._arrived)
         # Where the status rode in the last bucket, nothing can have come since: within
         # one backward autograd accumulates each gradient once, so the last bucket
-        # leaves after every gradient came.
+        # leaves after every gradient came. (A nested, reentrant backward could bring
+        # one again; its end-of-backward callback runs first and the stage then refuses
+        # the outer gradients, before any of this.)
         self._problems = self._problems_in(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status

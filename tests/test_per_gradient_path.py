@@ -138,3 +138,29 @@ def test_the_status_travels_in_the_last_buckets_all_reduce(pool) -> None:
         buckets = events.count("bucket")
         assert events[: buckets + 1] == ["bucket"] * buckets + ["status"], events
         assert events.count("status") == 1, events  # nothing went wrong: nothing more
+
+
+def grads_with_a_hook_registered_after_forward(rank: int, group) -> list[torch.Tensor]:
+    """One backward of a drop-in whose comm hook was registered between its forward and
+    its backward; and the same backward's average worked out by hand."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from stages import STAGES
+
+    torch.manual_seed(0)
+    ddp = STAGES["drop_in"](nn.Linear(3, 2), process_group=group)
+    x = torch.full((4, 3), float(rank + 1))
+    loss = ddp(x).square().sum()
+    ddp.register_comm_hook(group, default_hooks.allreduce_hook)  # the step's facts change
+    loss.backward()
+    local = torch.autograd.grad(ddp.module(x).square().sum(), ddp.module.weight)[0]
+    dist.all_reduce(local, group=group)
+    return [ddp.module.weight.grad, local / dist.get_world_size(group)]
+
+
+def test_a_comm_hook_registered_after_forward_counts_in_that_backward(pool) -> None:
+    """The per-step facts (the divisor, whether the status rides in the last bucket) are
+    set at forward; registering a hook after it sets them again."""
+    for got, average in check_no_errors(pool.run(2, grads_with_a_hook_registered_after_forward)):
+        torch.testing.assert_close(got, average)
