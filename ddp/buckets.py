@@ -52,6 +52,15 @@ class Bucket:
         buffer = torch.zeros(numel, dtype=self.buffer.dtype, device=self.buffer.device)
         return Bucket(self.index, self.names, self.params, self.offsets, buffer, tail)
 
+    def in_dtype(self, dtype: torch.dtype) -> Bucket:
+        """This bucket with its buffer in `dtype` (a new, zeroed one: call it before the
+        bucket holds anything), for gradients all-reduced in another dtype than their
+        parameters' (the drop-in's mixed_precision)."""
+        if dtype == self.buffer.dtype or self.sparse:
+            return self
+        buffer = torch.zeros(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+        return Bucket(self.index, self.names, self.params, self.offsets, buffer, self.tail)
+
     def _make_views(self) -> list[torch.Tensor]:
         members = [] if self.sparse else zip(self.offsets, self.params, strict=True)
         return [

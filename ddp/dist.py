@@ -55,7 +55,7 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
     else:
         raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
     if not dist.is_initialized():
-        _import_dynamo_first()
+        import_dynamo_first()
         # 10% over the watchdog's, which names the missing rank where Gloo cannot.
         timeout = timedelta(seconds=timeout_s * 1.1) if timeout_s is not None else None
         store, rank, world_size = next(dist.rendezvous("env://"))
@@ -73,7 +73,7 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
     return device
 
 
-def _import_dynamo_first() -> None:
+def import_dynamo_first() -> None:
     """Import torch._dynamo now, before the group exists.
 
     The optimizer's first step imports it lazily, and importing it while a process group
@@ -235,7 +235,7 @@ def teardown_process_group() -> None:
     can abort the process ("terminate called without an active exception"). Three
     things held it: a wrapper kept alive by its own parameter hooks (the hooks now hold
     it weakly: stage overlapped), torch._dynamo imported after the group was made
-    (`_import_dynamo_first`), and the round-robin groups shared between wrappers
+    (`import_dynamo_first`), and the round-robin groups shared between wrappers
     (`shared_groups`, dropped here). tests/test_torchrun.py checks that no Gloo thread
     is left after a stage's run."""
     global _watchdog

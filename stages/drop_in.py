@@ -29,13 +29,27 @@ included (`init_sync` after `broadcast_buffers`, `forward_sync_buffers` last).
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.utils import _cast_forward_inputs
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddp.dist import broadcast_buffers
+from ddp import swap
+from ddp.dist import broadcast_buffers, import_dynamo_first
+from ddp.logging_data import RuntimeStats, dtype_names, environment
 from stages.auto_bucket import AutoBucketDDP
+from stages.unused_params import _parameters_reached
+
+# A script or framework that makes its own process group imports this module first
+# (`install()` comes before the framework's import): torch._dynamo imported now, before
+# the group exists, holds no reference to it, so the group and its Gloo threads end
+# when the client destroys it and drops the model, not at interpreter shutdown.
+import_dynamo_first()
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch's default
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, in MiB
@@ -75,7 +89,6 @@ class DistributedDataParallel(AutoBucketDDP):
             for name, value, default in [
                 ("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
                 ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
-                ("mixed_precision", mixed_precision, None),
                 ("device_mesh", device_mesh, None),
                 ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
                 ("bucket_cap_mb_list", bucket_cap_mb_list, None),
@@ -87,6 +100,12 @@ class DistributedDataParallel(AutoBucketDDP):
             raise NotImplementedError(
                 f"{type(self).__name__} does not implement {sorted(not_default)}; "
                 "use torch.nn.parallel.DistributedDataParallel for those"
+            )
+        if mixed_precision is not None and gradient_as_bucket_view:
+            raise NotImplementedError(
+                "mixed_precision with gradient_as_bucket_view=True: the gradients are "
+                "computed in param_dtype and reduced in reduce_dtype, so they cannot be "
+                "views of one bucket"
             )
         if dim != 0:
             raise NotImplementedError(f"only dim=0 is supported, got dim={dim}")
@@ -104,6 +123,8 @@ class DistributedDataParallel(AutoBucketDDP):
             forward_sync = init_sync_buffers = (
                 True if broadcast_buffers is None else broadcast_buffers
             )
+        # Set before super(): the buckets take reduce_dtype as they are built.
+        self.mixed_precision = _check_mixed_precision(mixed_precision)
         # Set before super(): the stages' constructors broadcast the initial parameters
         # and buffers through the two methods below, which follow torch's init_sync rules.
         self._init_sync, self._init_sync_buffers = init_sync, init_sync and init_sync_buffers
@@ -118,7 +139,22 @@ class DistributedDataParallel(AutoBucketDDP):
             round_robin_groups=round_robin_groups,
         )
         self.device_ids = device_ids
+        self.output_device = output_device
         self.static_graph = static_graph
+        # What torch's logging data reports (`_get_ddp_logging_data`, below).
+        self._stats = RuntimeStats()
+        self._logged_error: str | None = None
+        self._initial_bucket_bytes = [_gradient_bytes(b.params) for b in self.buckets]
+        self._last_ready_order: list[int] = []  # of the last synchronised backward
+        self._arrivals_per_step: set[int] = set()  # gradients per synchronised backward
+        # static_graph: per position, how many times its gradient came in the first
+        # synchronised backward (None before it ends), and per bucket what that makes.
+        if self.mixed_precision is not None and self.mixed_precision.buffer_dtype is not None:
+            for buffer in self.module.buffers():
+                buffer.data = buffer.to(self.mixed_precision.buffer_dtype)
+        self._expected: list[int] | None = None
+        self._static_pending: tuple[list, list[int]] | None = None  # (buckets, counts)
+        self._static_unused: list[int] = []  # positions whose gradient did not come
 
     def _broadcast_initial_states(self) -> None:
         if self._init_sync:  # init_sync=False: the caller promises identical replicas
@@ -138,7 +174,43 @@ class DistributedDataParallel(AutoBucketDDP):
             # pass under grad mode, a discarded output) is forgotten. The earlier stages
             # raise instead, which catches a forgotten backward while one learns.
             self._awaiting_sync = False
-        return super().forward(*inputs, **kwargs)
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced and self._stats.forward_started():
+            self._stats.record.update(self._layout_record())
+        if self.mixed_precision is not None:
+            inputs, kwargs = self._to_low_precision(inputs, kwargs)
+        with self._inside_ddp_forward():
+            output = super().forward(*inputs, **kwargs)
+        if self.mixed_precision is not None and not torch.is_grad_enabled():
+            self._to_full_precision()  # no backward follows (evaluation)
+        if synced:
+            self._stats.mark("forward_compute_end")
+            if self.static_graph:
+                self._unreached = self._unreached or self._static_unused  # found once
+                output = self._sink(output)
+        return output
+
+    @contextmanager
+    def _inside_ddp_forward(self) -> Iterator[None]:
+        """torch.compile's DDP optimizer asks torch's class for the DDP module whose
+        forward runs (`_get_active_ddp_module`) and cuts the compiled graph where that
+        module's buckets end, so gradients become ready bucket by bucket, as in eager
+        mode, and buckets leave while backward still computes."""
+        before = swap.TORCH_DDP._active_ddp_module
+        swap.TORCH_DDP._active_ddp_module = self
+        try:
+            yield
+        finally:
+            swap.TORCH_DDP._active_ddp_module = before
+
+    @classmethod
+    def _get_active_ddp_module(cls) -> nn.Module | None:
+        return swap.TORCH_DDP._active_ddp_module
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes, torch's name (torch.compile reads it)."""
+        return int(self.bucket_cap_mb * 1024 * 1024)
 
     def _order_is_static(self) -> bool:
         return self.static_graph or super()._order_is_static()  # the graph will not change
@@ -150,13 +222,237 @@ class DistributedDataParallel(AutoBucketDDP):
             warnings.warn(message, stacklevel=2)
             return
         if self._synced_backwards:
-            raise RuntimeError(
-                "set_static_graph() should be called before training loop starts and "
-                "after DistributedDataParallel is constructed."
+            self._log_and_raise(
+                RuntimeError(
+                    "set_static_graph() should be called before training loop starts and "
+                    "after DistributedDataParallel is constructed."
+                )
             )
         self.static_graph = True
 
     # --8<-- [end:forward]
+
+    # --8<-- [start:mixed_precision]
+    def _register_hooks(self) -> None:
+        # After every (re)build of the buckets: they all-reduce in reduce_dtype.
+        if self.mixed_precision is not None:
+            dtype = self.mixed_precision.reduce_dtype or self.mixed_precision.param_dtype
+            self.buckets = [bucket.in_dtype(dtype) for bucket in self.buckets]
+        super()._register_hooks()
+
+    def _to_low_precision(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """mixed_precision, before forward: the parameters' data become param_dtype
+        copies of the full-precision ones (kept aside, which the optimizer updates), and
+        so do gradients accumulated so far and floating-point inputs, as torch's DDP
+        casts them. Backward then computes in param_dtype."""
+        dtype = self.mixed_precision.param_dtype
+        for param in self.module.parameters():
+            if not hasattr(param, "_full_precision"):  # set once: the optimizer's tensor
+                param._full_precision = param.data
+            param.data = param._full_precision.to(dtype)
+            if param.grad is not None:
+                param.grad = param.grad.to(dtype)
+        return _cast_forward_inputs(dtype, *inputs, **kwargs)
+
+    def _to_full_precision(self) -> None:
+        """mixed_precision, after a synchronised backward's gradients are in their
+        buckets: parameters back to full precision, gradients too, before the
+        averages (in reduce_dtype) are copied into them."""
+        for param in self.module.parameters():
+            if hasattr(param, "_full_precision"):
+                param.data = param._full_precision
+                if param.grad is not None:
+                    param.grad = param.grad.to(param.data.dtype)
+
+    # --8<-- [end:mixed_precision]
+
+    # --8<-- [start:static_graph]
+    def _sink(self, output):
+        """static_graph: forward's tensors pass through a node whose backward, the
+        first thing backward runs, queues the end-of-backward callback (as torch's
+        _DDPSink does). Queued at the first gradient instead, it would join the graph
+        task of a reentrant checkpoint's inner backward if a gradient came first from
+        there, and finish the step before the outer gradients come."""
+        tensors, rebuild = _flatten(output)
+        if not any(t.requires_grad for t in tensors):
+            return output
+        return rebuild(_Sink.apply(weakref.ref(self), *tensors))
+
+    def _prepare_for_backward(self) -> None:
+        super()._prepare_for_backward()
+        if not (self.static_graph and self._sync_this_backward):
+            return
+        if self._expected is None:
+            # The first backward all-reduces every bucket at its end (as torch's reducer
+            # delays it), once it knows how often each gradient comes: none launch before.
+            self._pending = [1 << 62] * len(self.buckets)
+            return
+        buckets, counts = self._static_pending or (None, [])
+        if buckets is not self.buckets:  # rebuilt: count again
+            counts = [0] * len(self.buckets)
+            for k, expected in enumerate(self._expected):  # an unused one: ready at start
+                counts[self._bucket_of[k]] += max(expected, 1)
+            self._static_pending = (self.buckets, counts)
+        self._pending = list(counts)
+        self._unreached = self._static_unused
+
+    def _finish_backward_static(self, arrived: list[int]) -> None:
+        """At the end of static_graph's first synchronised backward: how many times each
+        gradient came, which no rank used (one all-reduce, this once), and so what the
+        steps after it wait for."""
+        expected = [0] * len(self.named_trainable)
+        for k in arrived:
+            expected[k] += 1
+        used = torch.tensor([min(c, 1) for c in expected], device=self._collective_device)
+        dist.all_reduce(used, group=self.process_group)
+        self._globally_used = [int(u > 0) for u in used.tolist()]
+        self._expected = expected
+        self._static_unused = [k for k, c in enumerate(expected) if c == 0]
+        self._unreached = self._static_unused
+
+    def _status_row(self, arrived: list[int]) -> list[int]:
+        row = super()._status_row(arrived)
+        if self.static_graph and self._expected is not None:  # unused ones are not missing
+            row[0] -= sum(1 for k in self._static_unused if k not in self._told_ready)
+        return row
+
+    def _problems_in(self, arrived: list[int]) -> list[str]:
+        if not (self.static_graph and self._expected is not None):
+            return super()._problems_in(arrived)
+        counts = [0] * len(self.named_trainable)
+        for k in arrived:
+            counts[k] += 1
+        if counts == self._expected:
+            return []
+        return [
+            f"'{name}' got {counts[k]} gradient(s) in this backward where the first got "
+            f"{self._expected[k]}: static_graph=True promises the same graph every step"
+            for k, (name, _) in enumerate(self.named_trainable)
+            if counts[k] != self._expected[k] and counts[k] > 0
+        ]
+
+    # --8<-- [end:static_graph]
+
+    # --8<-- [start:surface]
+    @property
+    def reducer(self) -> Reducer:
+        """What frameworks call on torch's C++ reducer, done by this class's own steps."""
+        return Reducer(self)
+
+    def _prepare_for_synced_backward(self, outputs: list[torch.Tensor]) -> None:
+        """torch's `reducer.prepare_for_backward(outputs)`: the next backward synchronises,
+        even after a forward inside no_sync() (accelerate's trigger_sync_in_backward);
+        with find_unused_parameters, what `outputs` do not reach is unused (none, if
+        `outputs` is empty)."""
+        self._sync_this_backward = True
+        self._awaiting_sync = True
+        self._prepare_for_backward()
+        if self.find_unused_parameters:
+            reached = _parameters_reached(outputs) if outputs else None
+            self._unreached = [
+                k
+                for k, (_, p) in enumerate(self.named_trainable)
+                if reached is not None and id(p) not in reached
+            ]
+
+    def _start_backward(self) -> None:
+        self._stats.mark("backward_compute_start")
+        super()._start_backward()
+
+    def _send(self, bucket):
+        self._stats.mark("backward_comm_start")
+        return super()._send(bucket)
+
+    def _finish_backward(self) -> None:
+        self._stats.mark("backward_compute_end")
+        self._last_ready_order = self._arrived[self._sync_from :]
+        self._arrivals_per_step.add(len(self._last_ready_order))
+        if self.static_graph and self._expected is None:
+            self._finish_backward_static(self._last_ready_order)
+        if self.mixed_precision is not None:
+            self._to_full_precision()
+        try:
+            super()._finish_backward()
+        except Exception as error:
+            self._logged_error = str(error)
+            raise
+        self._stats.mark("backward_comm_end")
+
+    def _log_and_raise(self, error: Exception) -> None:
+        self._logged_error = str(error)
+        raise error
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Runtime stats for the first 10 iterations, then one in `sample_rate`."""
+        try:
+            self._stats.set_sample_rate(sample_rate)
+        except ValueError as error:
+            self._log_and_raise(error)
+
+    def _layout_record(self) -> dict[str, str | int]:
+        """What torch's logger records with a sampled step's times: the ready order of
+        the step before, the buckets (rebuilt or not), the unused parameters' bytes."""
+        record: dict[str, str | int] = {
+            "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self._last_ready_order)),
+            "has_rebuilt_buckets": int(self._rebuilt),
+        }
+        if self._rebuilt:
+            record["rebuilt_bucket_sizes"] = ", ".join(
+                str(_gradient_bytes(b.params)) for b in self.buckets
+            )
+            record["rebuilt_per_bucket_param_indices"] = ", ".join(
+                " ".join(str(self._position[id(p)]) for p in b.params) for b in self.buckets
+            )
+        params = [p for _, p in self.named_trainable]
+        record["unused_parameter_size"] = _gradient_bytes([params[k] for k in self._unreached])
+        record["num_buckets_reduced"] = len(self.buckets)
+        return record
+
+    def _get_ddp_logging_data(self) -> dict[str, str | int]:
+        """torch's logging data, with torch's keys, from this class's own state."""
+        params = [p for _, p in self.named_trainable]
+        data: dict[str, str | int] = {
+            **environment(self.process_group),
+            "module_name": type(self.module).__name__,
+            "device_ids": ", ".join(str(d) for d in self.device_ids or []),
+            "output_device": -1
+            if self.output_device is None
+            else int(
+                torch.device(self.output_device).index
+                if not isinstance(self.output_device, int)
+                else self.output_device
+            ),
+            "dtypes": dtype_names(params),
+            "bucket_sizes": ", ".join(map(str, self._initial_bucket_bytes)),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "broadcast_buffers": int(self.broadcast_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.modules())),
+            "is_multi_device_module": 0,
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": _gradient_bytes(params),
+            "join_uneven_inputs": int(self._join_config.enable),
+            "iteration": 0,
+            **self._stats.record,
+        }
+        if self._comm_hook is not None:
+            data["comm_hook"] = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
+        if self._synced_backwards:
+            # Every synchronised backward brought every gradient, as many as the first:
+            # the graph looks static, so static_graph=True would do (torch's reading,
+            # which torch's logger reports only once its reducer is destroyed).
+            data["can_set_static_graph"] = int(
+                self._all_arrived and len(self._arrivals_per_step) == 1 and not self._unreached
+            )
+        if self._logged_error is not None:
+            data["has_error"], data["error"] = 1, self._logged_error
+        return data
+
+    # --8<-- [end:surface]
 
     # --8<-- [start:pickle]
     def __getstate__(self) -> dict:
@@ -191,6 +487,91 @@ class DistributedDataParallel(AutoBucketDDP):
         self._register_hooks()
 
     # --8<-- [end:pickle]
+
+
+class _Sink(torch.autograd.Function):
+    """Passes forward's tensors through; its backward queues the wrapper's
+    end-of-backward callback in the graph task of the backward the user called."""
+
+    @staticmethod
+    def forward(ctx, ddp: weakref.ref, *tensors: torch.Tensor):
+        ctx.ddp = ddp
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ddp = ctx.ddp()
+        if ddp is not None and ddp._awaiting_sync and not ddp._finish_queued:
+            ddp._start_backward()
+        return (None, *grads)
+
+
+def _flatten(output) -> tuple[list[torch.Tensor], Callable]:
+    """The tensors in `output` (nested lists, tuples, dicts) and a function that puts
+    replacements back in their places."""
+    leaves, spec = tree_flatten(output)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuild(tensors):
+        for i, t in zip(where, tensors, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    return [leaves[i] for i in where], rebuild
+
+
+class Reducer:
+    """The methods of torch's C++ reducer that frameworks call on `ddp.reducer`."""
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self._ddp = weakref.ref(ddp)
+
+    def prepare_for_backward(self, outputs: list[torch.Tensor] | torch.Tensor) -> None:
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        self._ddp()._prepare_for_synced_backward(outputs)
+
+    def _rebuild_buckets(self) -> bool:
+        """Here buckets are rebuilt at the next synchronised forward, on every rank
+        together (stage rebuilt_buckets): nothing to do now, nothing rebuilt now."""
+        return False
+
+    def _delay_all_reduce(self) -> None:
+        """torch's reducer delays static_graph's first all-reduces to the end of
+        backward and a framework may flush them; here every backward, the first too,
+        is synchronised by its own end-of-backward callback: nothing is delayed."""
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        self._ddp()._set_ddp_runtime_logging_sample_rate(sample_rate)
+
+
+def install() -> None:
+    """Make torch's `DistributedDataParallel` name this class, in torch and in every
+    module already imported (`ddp.swap`): one call before a framework (accelerate,
+    Lightning) or a script builds its DDP, and it builds this one."""
+    swap.swap_ddp_class(DistributedDataParallel)
+
+
+def uninstall() -> None:
+    """torch's class back where `install()` put this one."""
+    swap.swap_ddp_class(swap.TORCH_DDP)
+
+
+def _gradient_bytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _check_mixed_precision(config):
+    """torch's `_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`, or None."""
+    if config is None:
+        return None
+    if not all(hasattr(config, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
+        raise TypeError(
+            "mixed_precision must be a torch.nn.parallel.distributed._MixedPrecision "
+            f"(param_dtype, reduce_dtype, buffer_dtype), got {config!r}"
+        )
+    if config.param_dtype is None:
+        raise ValueError("mixed_precision.param_dtype must be set (e.g. torch.bfloat16)")
+    return config
 
 
 def _default_group() -> dist.ProcessGroup:

@@ -127,6 +127,7 @@ def unsupported_arguments(rank: int, group: dist.ProcessGroup) -> dict[str, str]
 
     raised = {}
     for name, cls, options in (
+        ("device_mesh", Ours, {"device_mesh": object()}),
         ("mixed_precision", Ours, {"mixed_precision": object()}),
         ("device_ids", Ours, {"device_ids": [0]}),
         ("torch_device_ids", nn.parallel.DistributedDataParallel, {"device_ids": [0]}),
@@ -141,7 +142,10 @@ def unsupported_arguments(rank: int, group: dist.ProcessGroup) -> dict[str, str]
 
 def test_drop_in_rejects_what_it_does_not_implement(pool) -> None:
     raised, _ = run_checked(pool, 2, unsupported_arguments)
-    assert raised["mixed_precision"].startswith("NotImplementedError"), raised
+    assert raised["device_mesh"].startswith("NotImplementedError"), raised
+    assert "device_mesh" in raised["device_mesh"], raised
+    # Implemented, but only with torch's _MixedPrecision (or what has its fields).
+    assert raised["mixed_precision"].startswith("TypeError"), raised
     assert "mixed_precision" in raised["mixed_precision"], raised
     # A CPU module with a device id: torch's DDP refuses it with a ValueError, and so
     # must the drop-in.

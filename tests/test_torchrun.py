@@ -69,3 +69,18 @@ def test_no_gloo_thread_outlives_teardown(stage: str) -> None:
     assert sorted(threads) == ["0", "1", "2"], out.stdout
     for rank, names in threads.items():
         assert "gloo" not in names, f"rank {rank}: {names}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc/self/task")
+def test_no_gloo_thread_outlives_a_group_the_client_destroys() -> None:
+    """A framework makes and destroys the group itself, around the drop-in swapped in
+    for torch's class: once it drops the model and destroys the group, no Gloo thread
+    is left to run into interpreter shutdown. (torch's own DDP leaves them: it imports
+    torch._dynamo in its constructor, after the group exists, which then holds it.)"""
+    out = torchrun(2, str(ROOT / "tests" / "fixtures" / "client_owned_group.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.findall(r"^rank (\d+) \((.*)\) threads after teardown: (.*)$", out.stdout, re.M)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], out.stdout
+    for rank, which, names in found:
+        assert which == "stages.drop_in", f"rank {rank} built {which}"
+        assert "gloo" not in names, f"rank {rank}: {names}"
