@@ -129,3 +129,73 @@ def dtype_names(params: list[torch.nn.Parameter]) -> str:
     """The parameters' dtypes as torch's logger names them, once each, in order."""
     names = dict.fromkeys(_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params)
     return ", ".join(names)
+
+
+def gradient_bytes(params: list[torch.nn.Parameter]) -> int:
+    """Bytes of the parameters (of their gradients: the same dtype and size)."""
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def layout_record(ddp: torch.nn.Module) -> dict[str, str | int]:
+    """What torch's logger records with a sampled step's times: the ready order of
+    the step before, the buckets (rebuilt or not), the unused parameters' bytes."""
+    record: dict[str, str | int] = {
+        "prev_iteration_grad_ready_order_indices": ", ".join(map(str, ddp._last_ready_order)),
+        "has_rebuilt_buckets": int(ddp._rebuilt),
+    }
+    if ddp._rebuilt:
+        record["rebuilt_bucket_sizes"] = ", ".join(
+            str(gradient_bytes(b.params)) for b in ddp.buckets
+        )
+        record["rebuilt_per_bucket_param_indices"] = ", ".join(
+            " ".join(str(ddp._position[id(p)]) for p in b.params) for b in ddp.buckets
+        )
+    params = [p for _, p in ddp.named_trainable]
+    record["unused_parameter_size"] = gradient_bytes([params[k] for k in ddp._unreached])
+    record["num_buckets_reduced"] = len(ddp.buckets)
+    return record
+
+
+def logging_data(ddp: torch.nn.Module) -> dict[str, str | int]:
+    """torch's logging data, with torch's keys, from this class's own state."""
+    params = [p for _, p in ddp.named_trainable]
+    data: dict[str, str | int] = {
+        **environment(ddp.process_group),
+        "module_name": type(ddp.module).__name__,
+        "device_ids": ", ".join(str(d) for d in ddp.device_ids or []),
+        "output_device": -1
+        if ddp.output_device is None
+        else int(
+            torch.device(ddp.output_device).index
+            if not isinstance(ddp.output_device, int)
+            else ddp.output_device
+        ),
+        "dtypes": dtype_names(params),
+        "bucket_sizes": ", ".join(map(str, ddp._initial_bucket_bytes)),
+        "world_size": ddp.world_size,
+        "rank": ddp.rank,
+        "broadcast_buffers": int(ddp.broadcast_buffers),
+        "bucket_cap_bytes": ddp.bucket_bytes_cap,
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+        "static_graph": int(ddp.static_graph),
+        "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.modules())),
+        "is_multi_device_module": 0,
+        "num_parameter_tensors": len(params),
+        "total_parameter_size_bytes": gradient_bytes(params),
+        "join_uneven_inputs": int(ddp._join_config.enable),
+        "iteration": 0,
+        **ddp._stats.record,
+    }
+    if ddp._comm_hook is not None:
+        data["comm_hook"] = getattr(ddp._comm_hook, "__qualname__", repr(ddp._comm_hook))
+    if ddp._synced_backwards:
+        # Every synchronised backward brought every gradient, as many as the first:
+        # the graph looks static, so static_graph=True would do (torch's reading,
+        # which torch's logger reports only once its reducer is destroyed).
+        data["can_set_static_graph"] = int(
+            ddp._all_arrived and len(ddp._arrivals_per_step) == 1 and not ddp._unreached
+        )
+    if ddp._logged_error is not None:
+        data["has_error"], data["error"] = 1, ddp._logged_error
+    return data

@@ -17,33 +17,48 @@ torch's DDP to this one:
 
 As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, and a cap
 you give applies to the first bucket too (a bucket here stops short of its cap, where
-torch's passes it by one gradient: `ddp.buckets.plan_buckets`). `static_graph=True`
-promises the graph is the same every step; here it only lets buckets be rebuilt with
-`find_unused_parameters=True`. `device_ids` and `output_device` are accepted for one
-device per process, the only mode torch still supports. Arguments this project does
-not implement (`mixed_precision`, `device_mesh`, ...) raise an error naming them when
-set to anything but torch's default. The signature is torch 2.13's, positional order
-included (`init_sync` after `broadcast_buffers`, `forward_sync_buffers` last).
+torch's passes it by one gradient: `ddp.buckets.plan_buckets`). `device_ids` and
+`output_device` are accepted for one device per process, the only mode torch still
+supports. Arguments this project does not implement (`device_mesh`, ...) raise an error
+naming them when set to anything but torch's default. The signature is torch 2.13's,
+positional order included (`init_sync` after `broadcast_buffers`, `forward_sync_buffers`
+last).
+
+Two of torch's arguments are done here as torch documents them:
+
+- `static_graph=True`: the first backward counts how often each gradient comes (twice
+  for a block under reentrant checkpointing used twice) and which never come (unused
+  parameters, found once, not searched again), and all-reduces at its end; later steps
+  launch each bucket when its counts are in. A node on forward's outputs starts the
+  step, so a reentrant backward's inner graph cannot end it early.
+- `mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`: forward
+  and backward run on param_dtype copies of the parameters, buckets all-reduce in
+  reduce_dtype, and the optimizer steps the full-precision parameters.
+
+What frameworks reach past the public methods is here too: `reducer` (its
+`prepare_for_backward`), `_get_ddp_logging_data()`, and what torch.compile reads to cut
+its graph where buckets end. `install()` puts this class where code looks up torch's
+(docs: "Using the drop-in with your framework").
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.utils import _cast_forward_inputs
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp import swap
 from ddp.dist import broadcast_buffers, import_dynamo_first
-from ddp.logging_data import RuntimeStats, dtype_names, environment
+from ddp.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
+from ddp.reducer import Reducer, Sink, flatten
 from stages.auto_bucket import AutoBucketDDP
-from stages.unused_params import _parameters_reached
+from stages.unused_params import parameters_reached
 
 # A script or framework that makes its own process group imports this module first
 # (`install()` comes before the framework's import): torch._dynamo imported now, before
@@ -144,7 +159,7 @@ class DistributedDataParallel(AutoBucketDDP):
         # What torch's logging data reports (`_get_ddp_logging_data`, below).
         self._stats = RuntimeStats()
         self._logged_error: str | None = None
-        self._initial_bucket_bytes = [_gradient_bytes(b.params) for b in self.buckets]
+        self._initial_bucket_bytes = [gradient_bytes(b.params) for b in self.buckets]
         self._last_ready_order: list[int] = []  # of the last synchronised backward
         self._arrivals_per_step: set[int] = set()  # gradients per synchronised backward
         # static_graph: per position, how many times its gradient came in the first
@@ -176,7 +191,7 @@ class DistributedDataParallel(AutoBucketDDP):
             self._awaiting_sync = False
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synced and self._stats.forward_started():
-            self._stats.record.update(self._layout_record())
+            self._stats.record.update(layout_record(self))
         if self.mixed_precision is not None:
             inputs, kwargs = self._to_low_precision(inputs, kwargs)
         with self._inside_ddp_forward():
@@ -273,10 +288,10 @@ class DistributedDataParallel(AutoBucketDDP):
         _DDPSink does). Queued at the first gradient instead, it would join the graph
         task of a reentrant checkpoint's inner backward if a gradient came first from
         there, and finish the step before the outer gradients come."""
-        tensors, rebuild = _flatten(output)
+        tensors, rebuild = flatten(output)
         if not any(t.requires_grad for t in tensors):
             return output
-        return rebuild(_Sink.apply(weakref.ref(self), *tensors))
+        return rebuild(Sink.apply(weakref.ref(self), *tensors))
 
     def _prepare_for_backward(self) -> None:
         super()._prepare_for_backward()
@@ -348,7 +363,7 @@ class DistributedDataParallel(AutoBucketDDP):
         self._awaiting_sync = True
         self._prepare_for_backward()
         if self.find_unused_parameters:
-            reached = _parameters_reached(outputs) if outputs else None
+            reached = parameters_reached(outputs) if outputs else None
             self._unreached = [
                 k
                 for k, (_, p) in enumerate(self.named_trainable)
@@ -389,68 +404,9 @@ class DistributedDataParallel(AutoBucketDDP):
         except ValueError as error:
             self._log_and_raise(error)
 
-    def _layout_record(self) -> dict[str, str | int]:
-        """What torch's logger records with a sampled step's times: the ready order of
-        the step before, the buckets (rebuilt or not), the unused parameters' bytes."""
-        record: dict[str, str | int] = {
-            "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self._last_ready_order)),
-            "has_rebuilt_buckets": int(self._rebuilt),
-        }
-        if self._rebuilt:
-            record["rebuilt_bucket_sizes"] = ", ".join(
-                str(_gradient_bytes(b.params)) for b in self.buckets
-            )
-            record["rebuilt_per_bucket_param_indices"] = ", ".join(
-                " ".join(str(self._position[id(p)]) for p in b.params) for b in self.buckets
-            )
-        params = [p for _, p in self.named_trainable]
-        record["unused_parameter_size"] = _gradient_bytes([params[k] for k in self._unreached])
-        record["num_buckets_reduced"] = len(self.buckets)
-        return record
-
     def _get_ddp_logging_data(self) -> dict[str, str | int]:
         """torch's logging data, with torch's keys, from this class's own state."""
-        params = [p for _, p in self.named_trainable]
-        data: dict[str, str | int] = {
-            **environment(self.process_group),
-            "module_name": type(self.module).__name__,
-            "device_ids": ", ".join(str(d) for d in self.device_ids or []),
-            "output_device": -1
-            if self.output_device is None
-            else int(
-                torch.device(self.output_device).index
-                if not isinstance(self.output_device, int)
-                else self.output_device
-            ),
-            "dtypes": dtype_names(params),
-            "bucket_sizes": ", ".join(map(str, self._initial_bucket_bytes)),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "broadcast_buffers": int(self.broadcast_buffers),
-            "bucket_cap_bytes": self.bucket_bytes_cap,
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "static_graph": int(self.static_graph),
-            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.modules())),
-            "is_multi_device_module": 0,
-            "num_parameter_tensors": len(params),
-            "total_parameter_size_bytes": _gradient_bytes(params),
-            "join_uneven_inputs": int(self._join_config.enable),
-            "iteration": 0,
-            **self._stats.record,
-        }
-        if self._comm_hook is not None:
-            data["comm_hook"] = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
-        if self._synced_backwards:
-            # Every synchronised backward brought every gradient, as many as the first:
-            # the graph looks static, so static_graph=True would do (torch's reading,
-            # which torch's logger reports only once its reducer is destroyed).
-            data["can_set_static_graph"] = int(
-                self._all_arrived and len(self._arrivals_per_step) == 1 and not self._unreached
-            )
-        if self._logged_error is not None:
-            data["has_error"], data["error"] = 1, self._logged_error
-        return data
+        return logging_data(self)
 
     # --8<-- [end:surface]
 
@@ -489,61 +445,6 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [end:pickle]
 
 
-class _Sink(torch.autograd.Function):
-    """Passes forward's tensors through; its backward queues the wrapper's
-    end-of-backward callback in the graph task of the backward the user called."""
-
-    @staticmethod
-    def forward(ctx, ddp: weakref.ref, *tensors: torch.Tensor):
-        ctx.ddp = ddp
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ddp = ctx.ddp()
-        if ddp is not None and ddp._awaiting_sync and not ddp._finish_queued:
-            ddp._start_backward()
-        return (None, *grads)
-
-
-def _flatten(output) -> tuple[list[torch.Tensor], Callable]:
-    """The tensors in `output` (nested lists, tuples, dicts) and a function that puts
-    replacements back in their places."""
-    leaves, spec = tree_flatten(output)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-
-    def rebuild(tensors):
-        for i, t in zip(where, tensors, strict=True):
-            leaves[i] = t
-        return tree_unflatten(leaves, spec)
-
-    return [leaves[i] for i in where], rebuild
-
-
-class Reducer:
-    """The methods of torch's C++ reducer that frameworks call on `ddp.reducer`."""
-
-    def __init__(self, ddp: DistributedDataParallel):
-        self._ddp = weakref.ref(ddp)
-
-    def prepare_for_backward(self, outputs: list[torch.Tensor] | torch.Tensor) -> None:
-        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-        self._ddp()._prepare_for_synced_backward(outputs)
-
-    def _rebuild_buckets(self) -> bool:
-        """Here buckets are rebuilt at the next synchronised forward, on every rank
-        together (stage rebuilt_buckets): nothing to do now, nothing rebuilt now."""
-        return False
-
-    def _delay_all_reduce(self) -> None:
-        """torch's reducer delays static_graph's first all-reduces to the end of
-        backward and a framework may flush them; here every backward, the first too,
-        is synchronised by its own end-of-backward callback: nothing is delayed."""
-
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        self._ddp()._set_ddp_runtime_logging_sample_rate(sample_rate)
-
-
 def install() -> None:
     """Make torch's `DistributedDataParallel` name this class, in torch and in every
     module already imported (`ddp.swap`): one call before a framework (accelerate,
@@ -554,10 +455,6 @@ def install() -> None:
 def uninstall() -> None:
     """torch's class back where `install()` put this one."""
     swap.swap_ddp_class(swap.TORCH_DDP)
-
-
-def _gradient_bytes(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _check_mixed_precision(config):

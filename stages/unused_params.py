@@ -59,7 +59,7 @@ class UnusedParamsDDP(MissingGradsDDP):
         output = super().forward(*inputs, **kwargs)
         self._unreached = []
         if torch.is_grad_enabled() and self._sync_this_backward and self.find_unused_parameters:
-            reached = _parameters_reached(output)
+            reached = parameters_reached(output)
             self._unreached = [
                 k for k, (_, p) in enumerate(self.named_trainable) if id(p) not in reached
             ]
@@ -172,7 +172,7 @@ class UnusedParamsDDP(MissingGradsDDP):
     # --8<-- [end:finish]
 
 
-def _parameters_reached(output) -> set[int]:
+def parameters_reached(output) -> set[int]:
     """ids of the leaf tensors (parameters) that output's autograd graph leads to."""
     reached, seen = set(), set()
     stack = []

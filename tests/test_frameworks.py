@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
 import stages.drop_in
@@ -241,8 +242,8 @@ def compiled_run(
     graphs = []
 
     def count(graph_module, example_inputs) -> Callable:
-        graphs.append(graph_module)
-        return graph_module.forward
+        graphs.append(graph_module)  # forward and backward in one node per graph:
+        return aot_eager(graph_module, example_inputs)  # gradients come at its end
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=count)
