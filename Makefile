@@ -23,7 +23,7 @@ $(WEBCOMPONENTS):
 	tar -xzf webcomponents.js-0.7.24.tgz --no-same-owner --strip-components=1 package/webcomponents.min.js && \
 	rm webcomponents.js-0.7.24.tgz
 
-.PHONY: demo test docs browser conformance
+.PHONY: demo test docs browser conformance clients
 demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Gloo ranks
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m stages --model cnn --steps 10
 
@@ -43,3 +43,10 @@ conformance: $(BIN)/.installed  ## torch's own DDP tests against the drop-in
 	-DDP=torch $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/torch.xml
 	-DDP=ours $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/ours.xml
 	$(BIN)/python -m tests.conformance.report runs/conformance/torch.xml runs/conformance/ours.xml
+
+# accelerate's own test scripts, Lightning's Trainer (four DDP variants) and Fabric, and a
+# plain DDP script, on CPU Gloo with 2 ranks: each with torch's DDP, then with the drop-in
+# swapped in (python -m stages.swap); fails if the drop-in fails one that torch's passes.
+clients: $(BIN)/.installed  ## accelerate and Lightning flows, torch's DDP against the drop-in
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[clients]'
+	$(BIN)/python -m tests.clients.run

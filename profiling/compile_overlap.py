@@ -18,7 +18,8 @@ torch's `aot_eager` backend (forward and backward traced into one autograd node 
 graph, as inductor does, with no code generation: the variants differ in where
 gradients become ready, not in the kernels), counting the graphs. Per variant,
 --warmup untimed steps, then --steps timed ones, recorded with torch.profiler: one trace
-per rank in OUT/<variant>/ (TensorBoard's PyTorch Profiler tab, or Perfetto). Printed by
+per rank in OUT/<variant>/ (TensorBoard's PyTorch Profiler tab, or Perfetto; and
+`python -m profiling.compare --analyse-only OUT` measures the overlap from them). Printed by
 rank 0: graphs compiled, and per step (median over steps) when the first and the last
 bucket left, as a share of backward's time (from loss.backward() to its return), and the
 step time. Nothing is written but OUT (default runs/compile-overlap) and --figure.
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
 from ddp.dist import setup_process_group, teardown_process_group
 
@@ -87,13 +88,16 @@ def run_variant(variant: str, args: argparse.Namespace, out: Path) -> dict:
         for step in range(args.warmup + args.steps):
             dist.barrier()
             start = time.perf_counter()
-            loss = F.mse_loss(ddp(x), y)
+            with record_function("forward"):
+                loss = F.mse_loss(ddp(x), y)
             launches.clear()
             backward_start = time.perf_counter()
-            loss.backward()
+            with record_function("backward"):
+                loss.backward()
             backward_end = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad()
+            with record_function("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
             if step >= args.warmup and launches:
                 span = backward_end - backward_start
                 first.append((launches[0] - backward_start) / span)
@@ -143,7 +147,7 @@ def figure(rows: list[dict], path: Path) -> None:
         ax.barh(i, row["last"] - row["first"], left=row["first"], color="#1f77b4", height=0.5)
     ax.set_yticks(range(len(rows)), [r["variant"] for r in reversed(rows)])
     ax.set_xlim(0, 1.05)
-    ax.set_xlabel("share of backward's time (grey: backward; blue: first to last bucket launch)")
+    ax.set_xlabel("share of loss.backward()'s time: first to last bucket launch")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

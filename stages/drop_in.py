@@ -130,6 +130,13 @@ class DistributedDataParallel(AutoBucketDDP):
                 "doesn't have any parameter that requires a gradient."
             )
         _check_one_device(module, device_ids, output_device)
+        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement parameters and buffers to ignore "
+                f"(_ddp_params_and_buffers_to_ignore: "
+                f"{sorted(module._ddp_params_and_buffers_to_ignore)}); "
+                "use torch.nn.parallel.DistributedDataParallel for those"
+            )
         # torch 2.13's rules: forward_sync_buffers wins, and then buffers are always
         # broadcast at construction; else broadcast_buffers (default True) decides both.
         if forward_sync_buffers is not None:
@@ -204,6 +211,16 @@ class DistributedDataParallel(AutoBucketDDP):
                 self._unreached = self._unreached or self._static_unused  # found once
                 output = self._sink(output)
         return output
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
+        """torch's way to mark what DDP should not synchronise (torch's attributes): the
+        constructor then refuses the module, naming them, as this class does not
+        implement it."""
+        module._ddp_params_and_buffers_to_ignore = names
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in names:
+                tensor._ddp_ignored = True
 
     @contextmanager
     def _inside_ddp_forward(self) -> Iterator[None]:

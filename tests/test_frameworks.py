@@ -364,3 +364,21 @@ def test_mixed_precision_is_torchs_recipe(pool, reduce_dtype) -> None:
         run_checked(pool, 2, mixed_precision_steps, reduce_dtype)
     ):
         assert_same(ours, by_hand, f"rank {rank}, parameters", EXACT)
+
+
+def ignore_some(rank: int, group: dist.ProcessGroup) -> str:
+    model = nn.Linear(2, 2)
+    DropIn._set_params_and_buffers_to_ignore_for_model(model, ["bias"])
+    try:
+        DropIn(model, process_group=group)
+    except NotImplementedError as error:
+        return str(error)
+    return "built"
+
+
+def test_parameters_to_ignore_are_refused_by_name(pool) -> None:
+    """torch's DDP leaves the parameters a framework marks (Lightning's double precision
+    plugin can) unsynchronised; the drop-in does not implement it, and says so rather
+    than synchronise them anyway."""
+    [message] = run_checked(pool, 1, ignore_some)
+    assert "_ddp_params_and_buffers_to_ignore: ['bias']" in message, message
