@@ -13,16 +13,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class Sink(torch.autograd.Function):
-    """Passes forward's tensors through; its backward queues the wrapper's
+    """Passes forward's tensors through (copies, as torch's _DDPSink makes them: an
+    output may then be modified in place); its backward queues the wrapper's
     end-of-backward callback in the graph task of the backward the user called."""
 
     @staticmethod
     def forward(ctx, ddp: weakref.ref, *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)  # a gradient that is None stays None
         ctx.ddp = ddp
-        return tensors
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor | None):
         ddp = ctx.ddp()
         if ddp is not None and ddp._awaiting_sync and not ddp._finish_queued:
             ddp._start_backward()

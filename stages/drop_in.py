@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -171,9 +171,10 @@ class DistributedDataParallel(AutoBucketDDP):
         self._arrivals_per_step: set[int] = set()  # gradients per synchronised backward
         # static_graph: per position, how many times its gradient came in the first
         # synchronised backward (None before it ends), and per bucket what that makes.
-        if self.mixed_precision is not None and self.mixed_precision.buffer_dtype is not None:
+        if self.mixed_precision is not None:
+            self.module.register_forward_pre_hook(_low_precision_hook(self), with_kwargs=True)
             for buffer in self.module.buffers():
-                buffer.data = buffer.to(self.mixed_precision.buffer_dtype)
+                buffer.data = buffer.to(self.mixed_precision.buffer_dtype or buffer.dtype)
         self._expected: list[int] | None = None
         self._static_pending: tuple[list, list[int]] | None = None  # (buckets, counts)
         self._static_unused: list[int] = []  # positions whose gradient did not come
@@ -199,8 +200,8 @@ class DistributedDataParallel(AutoBucketDDP):
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synced and self._stats.forward_started():
             self._stats.record.update(layout_record(self))
-        if self.mixed_precision is not None:
-            inputs, kwargs = self._to_low_precision(inputs, kwargs)
+        if self.mixed_precision is not None:  # after a no_sync() backward: still low
+            self._to_full_precision()
         with self._inside_ddp_forward():
             output = super().forward(*inputs, **kwargs)
         if self.mixed_precision is not None and not torch.is_grad_enabled():
@@ -235,9 +236,13 @@ class DistributedDataParallel(AutoBucketDDP):
         finally:
             swap.TORCH_DDP._active_ddp_module = before
 
+    # Where torch's own class (after install(), which rebinds the name it reads) or
+    # torch's replicate() note their active module: read as well as torch's.
+    _active_ddp_module: nn.Module | None = None
+
     @classmethod
     def _get_active_ddp_module(cls) -> nn.Module | None:
-        return swap.TORCH_DDP._active_ddp_module
+        return swap.TORCH_DDP._active_ddp_module or DistributedDataParallel._active_ddp_module
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -273,10 +278,12 @@ class DistributedDataParallel(AutoBucketDDP):
         super()._register_hooks()
 
     def _to_low_precision(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """mixed_precision, before forward: the parameters' data become param_dtype
-        copies of the full-precision ones (kept aside, which the optimizer updates), and
-        so do gradients accumulated so far and floating-point inputs, as torch's DDP
-        casts them. Backward then computes in param_dtype."""
+        """mixed_precision, as the wrapped module's forward starts (a forward pre-hook,
+        as in torch's DDP: after this class's own collectives and bucket rebuilds, which
+        see full-precision parameters): the parameters' data become param_dtype copies
+        of the full-precision ones (kept aside: the optimizer updates those), and so do
+        gradients accumulated so far and floating-point inputs. Backward then computes
+        in param_dtype."""
         dtype = self.mixed_precision.param_dtype
         for param in self.module.parameters():
             if not hasattr(param, "_full_precision"):  # set once: the optimizer's tensor
@@ -296,6 +303,11 @@ class DistributedDataParallel(AutoBucketDDP):
                 if param.grad is not None:
                     param.grad = param.grad.to(param.data.dtype)
 
+    def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
+        if average.dtype != param.dtype and not average.is_sparse:  # mixed_precision
+            average = average.to(param.dtype)  # a new .grad takes the parameter's dtype
+        super()._unload_one(param, average)
+
     # --8<-- [end:mixed_precision]
 
     # --8<-- [start:static_graph]
@@ -306,9 +318,15 @@ class DistributedDataParallel(AutoBucketDDP):
         task of a reentrant checkpoint's inner backward if a gradient came first from
         there, and finish the step before the outer gradients come."""
         tensors, rebuild = flatten(output)
-        if not any(t.requires_grad for t in tensors):
+        # Only tensors in a graph: one made without autograd (a metric, an index) stays
+        # as it was, as torch leaves it (a Sink output would require grad).
+        chosen = [i for i, t in enumerate(tensors) if t.grad_fn is not None]
+        if not chosen:
             return output
-        return rebuild(Sink.apply(weakref.ref(self), *tensors))
+        passed = Sink.apply(weakref.ref(self), *(tensors[i] for i in chosen))
+        for i, t in zip(chosen, passed, strict=True):
+            tensors[i] = t
+        return rebuild(tensors)
 
     def _prepare_for_backward(self) -> None:
         super()._prepare_for_backward()
@@ -335,12 +353,35 @@ class DistributedDataParallel(AutoBucketDDP):
         expected = [0] * len(self.named_trainable)
         for k in arrived:
             expected[k] += 1
-        used = torch.tensor([min(c, 1) for c in expected], device=self._collective_device)
-        dist.all_reduce(used, group=self.process_group)
-        self._globally_used = [int(u > 0) for u in used.tolist()]
+        self._learn_static_graph(expected, [min(c, 1) for c in expected])
+
+    def _learn_static_graph(self, expected: list[int], used: list[int]) -> None:
+        """Which parameters some rank used (one all-reduce, before the first step's
+        buckets), and what the steps after it expect."""
+        summed = torch.tensor(used, dtype=torch.int64, device=self._collective_device)
+        dist.all_reduce(summed, group=self.process_group)
+        self._globally_used = [int(u > 0) for u in summed.tolist()]
         self._expected = expected
         self._static_unused = [k for k, c in enumerate(expected) if c == 0]
         self._unreached = self._static_unused
+
+    def _shadow_backward(self) -> None:
+        if self.static_graph and self._expected is None:
+            # A rank that left before the first synchronised step: it takes part in
+            # that step's all-reduce of who used what, as one that used nothing, and
+            # from then on reports the gradients the others used as come once.
+            self._learn_static_graph([], [0] * len(self.named_trainable))
+            self._expected = self._globally_used
+            self._static_unused = [k for k, u in enumerate(self._expected) if u == 0]
+        super()._shadow_backward()
+
+    def _shadow_arrivals(self) -> list[int]:
+        if not (self.static_graph and self._expected is not None):
+            return super()._shadow_arrivals()
+        return [k for k, count in enumerate(self._expected) for _ in range(count)]
+
+    def _search_unused(self) -> bool:  # found in the first backward: not searched again
+        return super()._search_unused() and not (self.static_graph and self._expected)
 
     def _status_row(self, arrived: list[int]) -> list[int]:
         row = super()._status_row(arrived)
@@ -379,7 +420,9 @@ class DistributedDataParallel(AutoBucketDDP):
         self._sync_this_backward = True
         self._awaiting_sync = True
         self._prepare_for_backward()
-        if self.find_unused_parameters:
+        if self.static_graph and self._expected is not None:
+            self._unreached = self._static_unused  # found in the first backward
+        elif self.find_unused_parameters:
             reached = parameters_reached(outputs) if outputs else None
             self._unreached = [
                 k
@@ -471,7 +514,21 @@ def install() -> None:
 
 def uninstall() -> None:
     """torch's class back where `install()` put this one."""
-    swap.swap_ddp_class(swap.TORCH_DDP)
+    swap.restore_ddp_class()
+
+
+def _low_precision_hook(ddp: DistributedDataParallel) -> Callable:
+    """The wrapped module's forward pre-hook for mixed_precision. It holds the wrapper
+    weakly, as the gradient hooks do: held strongly, module -> hook -> wrapper -> module
+    would be a cycle, freed only by the garbage collector, and the process group with
+    it (stage overlapped says why that matters)."""
+    wrapper = weakref.ref(ddp)
+
+    def cast(module: nn.Module, inputs: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        ddp = wrapper()
+        return None if ddp is None else ddp._to_low_precision(inputs, kwargs)
+
+    return cast
 
 
 def _check_mixed_precision(config):

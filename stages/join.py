@@ -125,8 +125,8 @@ class JoinDDP(RoundRobinDDP, Joinable):
         """The backward the others run: every bucket, in order, with zeros from us; then
         the status of a rank that misses nothing and used nothing (and, if the others'
         says something went wrong, the row of such a rank)."""
-        # As a rank whose every gradient came once, and that used nothing.
-        everything = list(range(len(self.named_trainable)))
+        # As a rank whose every gradient came as expected, and that used nothing.
+        everything = self._shadow_arrivals()
         self._arrived, self._sync_from = everything, 0
         self._unreached, self._problems, self._used = [], [], set()
         self._status_rides = self._status_can_ride()  # as the others decide it
@@ -143,9 +143,13 @@ class JoinDDP(RoundRobinDDP, Joinable):
             status[1].wait()
             summed = status[0].tolist()
         self._arrived = []
-        if self._went_wrong(summed):
-            self._exchange_status(self._error_row(set(everything)))
+        if self._went_wrong(summed):  # the others raise: so does this rank, not wait on
+            self._raise_on_every_rank(self._exchange_status(self._error_row(set(everything))))
         self._synced_backwards += 1
+
+    def _shadow_arrivals(self) -> list[int]:
+        """The gradients a rank that left reports as come: every one, once."""
+        return list(range(len(self.named_trainable)))
 
 
 class _ShadowCollectives(JoinHook):

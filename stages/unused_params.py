@@ -58,12 +58,17 @@ class UnusedParamsDDP(MissingGradsDDP):
     def forward(self, *inputs, **kwargs):
         output = super().forward(*inputs, **kwargs)
         self._unreached = []
-        if torch.is_grad_enabled() and self._sync_this_backward and self.find_unused_parameters:
+        if torch.is_grad_enabled() and self._sync_this_backward and self._search_unused():
             reached = parameters_reached(output)
             self._unreached = [
                 k for k, (_, p) in enumerate(self.named_trainable) if id(p) not in reached
             ]
         return output
+
+    def _search_unused(self) -> bool:
+        """Whether to walk the graph from this forward's outputs (the drop-in's
+        static_graph stops once the first backward has found the unused ones)."""
+        return self.find_unused_parameters
 
     # --8<-- [end:forward]
 

@@ -45,7 +45,14 @@ def test_install_puts_the_drop_in_where_torch_ddp_was_imported() -> None:
         stages.drop_in.uninstall()
     assert torch.nn.parallel.DistributedDataParallel is swap.TORCH_DDP
     assert already_imported.DDPAlias is swap.TORCH_DDP
-    del already_imported.DDPAlias
+    # Only what install() rebound goes back: the drop-in's own name stays the drop-in.
+    assert stages.drop_in.DistributedDataParallel is DropIn
+    stages.drop_in.install()  # and it installs again
+    try:
+        assert torch.nn.parallel.DistributedDataParallel is DropIn
+    finally:
+        stages.drop_in.uninstall()
+        del already_imported.DDPAlias
 
 
 # --- static_graph as torch documents it -----------------------------------------------
@@ -382,3 +389,90 @@ def test_parameters_to_ignore_are_refused_by_name(pool) -> None:
     than synchronise them anyway."""
     [message] = run_checked(pool, 1, ignore_some)
     assert "_ddp_params_and_buffers_to_ignore: ['bias']" in message, message
+
+
+class Branchy(nn.Module):
+    """Three layers and an extra one that only some ranks' forward uses."""
+
+    def __init__(self, use_extra: bool):
+        super().__init__()
+        self.use_extra = use_extra
+        self.first, self.second, self.extra, self.head = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.second(self.first(x)))
+        if self.use_extra:
+            x = x + self.extra(x)
+        return self.head(x)
+
+
+def mixed_precision_uneven(rank: int, group: dist.ProcessGroup) -> dict:
+    """mixed_precision where it meets the other stages: reduce in bf16, a layer rank 0
+    never uses (find_unused_parameters, static_graph), buckets rebuilt after the first
+    step, no_sync() micro-batches, and a rank that runs out of data (join)."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    torch.manual_seed(0)
+    model = Branchy(use_extra=rank == 1)
+    config = _MixedPrecision(param_dtype=torch.bfloat16)
+    ddp = DropIn(
+        model, process_group=group, mixed_precision=config, bucket_cap_mb=200 / 2**20,
+        find_unused_parameters=True, static_graph=True,  # static: the buckets are rebuilt
+    )  # fmt: skip
+    layouts = [[b.buffer.numel() for b in ddp.buckets]]
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.randn(4, 6)).float().pow(2).mean().backward()  # static_graph's first step
+    optimizer.zero_grad()  # on every rank, before any can run out of data
+    with ddp.join():
+        for _ in range(4 if rank == 0 else 3):
+            with ddp.no_sync():
+                ddp(torch.randn(4, 6)).float().pow(2).mean().backward()
+            ddp(torch.randn(4, 6)).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            layouts.append([b.buffer.numel() for b in ddp.buckets])
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    return {"params": params_of(model), "layouts": layouts}
+
+
+def test_mixed_precision_with_rebuilds_unused_and_join(pool) -> None:
+    runs = run_checked(pool, 2, mixed_precision_uneven)
+    assert_same(runs[0]["params"], runs[1]["params"], "parameters, rank 0 against 1", EXACT)
+    # Rebuilt buckets are planned on full-precision parameters, as at construction:
+    # elements per bucket stay within the cap (50 fp32 numbers and a status tail).
+    for rank, run in enumerate(runs):
+        assert all(n <= 50 + 4 for layout in run["layouts"] for n in layout), (rank, run)
+
+
+def sink_outputs(rank: int, group: dist.ProcessGroup, which: str) -> tuple:
+    """static_graph's outputs as a script sees them: one modified in place, and one
+    made without autograd (a metric), as torch's DDP returns them."""
+
+    class TwoOutputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.layer(x)
+            return y, y.detach().argmax(dim=1)
+
+    torch.manual_seed(0)
+    ddp = _ddp_class(which)(TwoOutputs(), process_group=group, static_graph=True)
+    seen = []
+    for _ in range(2):
+        y, index = ddp(torch.randn(3, 4))
+        seen.append((index.requires_grad, index.grad_fn is None))
+        y.mul_(2)  # in place on forward's output
+        y.sum().backward()
+    return seen, grads_of(ddp.module)
+
+
+def sink_both(rank: int, group: dist.ProcessGroup) -> tuple:
+    return sink_outputs(rank, group, "ours"), sink_outputs(rank, group, "torch")
+
+
+def test_static_graph_outputs_are_torchs(pool) -> None:
+    for rank, (ours, torchs) in enumerate(run_checked(pool, 2, sink_both)):
+        assert ours[0] == torchs[0], f"rank {rank}: outputs {ours[0]} vs torch's {torchs[0]}"
+        assert_same(ours[1], torchs[1], f"rank {rank}: gradients", TIGHT)
