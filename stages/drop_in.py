@@ -74,6 +74,14 @@ DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, i
 class DistributedDataParallel(AutoBucketDDP):
     """Stage 14: every idea so far, behind torch DDP's constructor."""
 
+    # static_graph's first synchronised backward sums who used what (n numbers) before
+    # its buckets leave (`_learn_static_graph`); nothing more after it.
+    collectives = (
+        AutoBucketDDP.collectives[0],
+        "all_reduce of the used parameters, static_graph's first step",
+        *AutoBucketDDP.collectives[1:],
+    )
+
     def __init__(
         self,
         module: nn.Module,

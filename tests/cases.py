@@ -21,6 +21,7 @@ from tests.models import NetSpec, build_net
 # synchronised backward (tests/test_suite.py, property 6, says which).
 PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
 READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
+STATIC_USED = "all_reduce of the used parameters, static_graph's first step"
 
 
 def status_width(stage_cls: type, n: int, options: dict) -> int:

@@ -95,3 +95,19 @@ def test_traces_of_a_gpu_run_are_read_back(tmp_path) -> None:
         # On one GPU NCCL's all-reduce has no one to send to and launches no kernel.
         sends = GPUS > 1 and name != "compute_only"
         assert (run["collectives_per_step"] > 0) == sends, (name, run)
+
+
+def test_mixed_precision_equals_torchs_on_cuda() -> None:
+    """torch's `mixed_precision` argument, the same script with torch's DDP and the
+    drop-in: gradients and parameters of every step equal (torch's own cannot run on
+    CPU, so this is the only comparison with it)."""
+    out = torchrun(GPUS, str(ROOT / "tests" / "fixtures" / "mixed_precision_cuda.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.findall(r"max difference (\S+), dtypes (.*)$", out.stdout, re.M)
+    assert len(found) == 2 * GPUS, out.stdout
+    # torch divides the sum by the world size, the drop-in each gradient before it: the
+    # same numbers where the world size is a power of two (and so the division exact).
+    exact = GPUS & (GPUS - 1) == 0
+    for difference, dtypes in found:
+        assert float(difference) <= (1e-6 if exact else 1e-2), out.stdout
+        assert dtypes == "['torch.float32']", out.stdout  # full precision after each step

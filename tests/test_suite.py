@@ -18,6 +18,7 @@ from tests.cases import (
     PER_BUCKET,
     PER_PARAMETER,
     READY_ORDER,
+    STATIC_USED,
     STATUS,
     TORCH_OPTIONS,
     Case,
@@ -188,6 +189,10 @@ def expected_calls(what, cls, case, trainable, buckets, rebuilds, step) -> list[
         return [("all_reduce", (size,)) for size in sizes]
     if what == READY_ORDER:  # once, before the second synchronised step's forward
         return [("broadcast", (n,))] if rebuilds and step == 1 else []
+    if what == STATIC_USED:  # once, in the first synchronised backward, before its buckets
+        return (
+            [("all_reduce", (n,))] if dict(case.options).get("static_graph") and step == 0 else []
+        )
     if what == STATUS:
         if status_rides(dict(case.options)) and buckets:
             return []  # it travels in the last bucket's all-reduce
