@@ -1,8 +1,8 @@
 """torch's own DDP tests against the drop-in, the part that fits in CI: every test of
 torch's distributed suite that uses DistributedDataParallel, runs on CPU Gloo and passes
 with torch's own class (`make conformance` runs the whole selection with both classes
-and compares; docs/stages/drop_in.md gives the counts), less the tests that read torch's
-internals (tests/conformance/report.py lists them, each with its reason)."""
+and compares; docs/stages/drop_in.md gives the counts), less any that read torch's
+internals (tests/conformance/report.py would list them, each with its reason)."""
 
 from __future__ import annotations
 

@@ -13,16 +13,9 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 
 # --8<-- [start:internals]
-INTERNALS = {  # test name -> why the drop-in cannot pass it: it reads torch's internals
-    "test_ddp_logging_data_cpu": (
-        "reads the C++ logger's data (_get_ddp_logging_data, "
-        "_set_ddp_runtime_logging_sample_rate), which has no counterpart here"
-    ),
-    "test_static_graph_api_cpu": (
-        "checks the error _set_static_graph() raises once training has begun (the drop-in "
-        "raises it too, with torch's message), then reads it back from the C++ logger's data"
-    ),
-}
+# Tests that inspect torch's implementation rather than what a user sees, each with why
+# the drop-in cannot pass it. None now: the two that read the logging data pass.
+INTERNALS: dict[str, str] = {}
 # --8<-- [end:internals]
 
 
