@@ -42,10 +42,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # annotations only: the cost model and the cut need no torch
+    from torch import nn
 
-from ddp.buckets import Members
+    from ddp.buckets import Members
 
 CostModel = Callable[[int], float]  # bytes -> seconds one all-reduce of them takes
 # Ends this close (a fraction) are the same: two layouts add the same costs in another
@@ -62,9 +64,26 @@ class Cut:
     best_end_s: float  # the earliest any layout ends; end_s is within the slack of it
 
 
-def linear_cost(latency_s: float, s_per_byte: float) -> CostModel:
+@dataclass(frozen=True)
+class LinearCost:
+    """The one cost of an all-reduce the project's models share: a fixed latency, then
+    bytes at one rate. The automatic bucket size cuts by it (here and in
+    `stages/auto_bucket.py`); the simulator splits it into the latency nothing else
+    slows and the time on the wire (`profiling.simulate.schedule.linear_cost`)."""
+
+    latency_s: float
+    s_per_byte: float
+
+    def wire_s(self, nbytes: float) -> float:
+        return nbytes * self.s_per_byte
+
+    def __call__(self, nbytes: float) -> float:
+        return self.latency_s + self.wire_s(nbytes)
+
+
+def linear_cost(latency_s: float, s_per_byte: float) -> LinearCost:
     """A fixed latency per all-reduce, then bytes at one rate."""
-    return lambda nbytes: latency_s + nbytes * s_per_byte
+    return LinearCost(latency_s, s_per_byte)
 
 
 def served_in_order(ready_s: Sequence[float], seconds: Sequence[float]) -> float:

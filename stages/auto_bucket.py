@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut
+from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut, served_in_order
 from ddp.buckets import Members, plan_buckets
 from ddp.clock import DeviceClock, Mark
 from stages.join import JoinDDP
@@ -405,13 +405,13 @@ def _replay(
     latency_s: float,
     s_per_byte: float,
 ) -> float:
-    """When the last all-reduce would end, in seconds after the first gradient."""
-    end = 0.0
-    for members in plan:
-        full = max(ready_s[position[id(p)]] for _, p in members)
-        nbytes = sum(p.numel() * p.element_size() for _, p in members)
-        end = max(end, full) + latency_s + nbytes * s_per_byte
-    return end
+    """When the last all-reduce would end, in seconds after the first gradient: each
+    bucket served in order once its last gradient is ready (`served_in_order`), at the
+    cost the cut is planned with."""
+    cost = linear_cost(latency_s, s_per_byte)
+    full = [max(ready_s[position[id(p)]] for _, p in members) for members in plan]
+    took = [cost(sum(p.numel() * p.element_size() for _, p in members)) for members in plan]
+    return max(0.0, served_in_order(full, took))
 
 
 if __name__ == "__main__":

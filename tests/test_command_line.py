@@ -325,6 +325,13 @@ def _simulate_main(argv: list[str]) -> None:
     simulate(argv)
 
 
+def _simulate_cpu_main(argv: list[str]) -> None:
+    from profiling.simulate.cli import main as simulate
+    from profiling.simulate_cpu.__main__ import COMMANDS
+
+    simulate(argv, commands=COMMANDS)
+
+
 # Every command that reads back a results file that one of them wrote, and how it is given.
 RESULTS_READERS = {
     "bench --render": (_bench_main, ["--render", "{path}"]),
@@ -332,11 +339,9 @@ RESULTS_READERS = {
     "collectives --render": (_collectives_main, ["--render", "{path}"]),
     "large_batch --render": (_large_batch_main, ["--render", "{path}", "--plot-prefix", "{dir}/f"]),
     "simulate validate --render": (_simulate_main, ["validate", "--render", "{path}"]),
-    "simulate gantt": (_simulate_main, ["gantt", "--calibration", "{path}"]),
-    "simulate buckets": (_simulate_main, ["buckets", "--calibration", "{path}"]),
-    "simulate repeat --render": (_simulate_main, ["repeat", "--render", "{path}"]),
+    "simulate_cpu gantt": (_simulate_cpu_main, ["gantt", "--calibration", "{path}"]),
+    "simulate_cpu buckets": (_simulate_cpu_main, ["buckets", "--calibration", "{path}"]),
     "simulate paper --shape": (_simulate_main, ["paper", "--no-files", "--shape", "{path}"]),
-    "simulate pace --render": (_simulate_main, ["pace", "--render", "{path}"]),
 }
 
 

@@ -1,4 +1,6 @@
-"""The simulator's arithmetic against schedules worked out by hand on small cases."""
+"""The simulator's arithmetic against schedules worked out by hand on small cases: the
+core model (`Sharing`: backward's slowdown only), and what the virtual CPU cluster's
+extension (`SharedCores`) adds."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ from profiling.simulate.layouts import per_parameter, uniform_buckets
 from profiling.simulate.schedule import (
     Cost,
     Grad,
+    Sharing,
     StageSchedule,
     Workload,
-    achievable_bound,
     linear_cost,
-    perfect_overlap_bound,
     simulate,
 )
+from profiling.simulate_cpu.sharing import SharedCores
 
 MiB = 2**20
 # Two gradients of 100 bytes: the last layer's ready 1 s into backward, the first's at 3 s.
@@ -47,7 +49,7 @@ def test_two_buckets_overlapped_with_contention():
     # done, "last" ready. 3-5: bucket 0 flies, backward does 2 x 2/3 = 4/3 (7/3 in all).
     # 5-5.667: alone again, 2/3 more: "first" ready at 17/3; bucket 1 17/3-23/3.
     # Backward's last second, under bucket 1: 1.5 s, ends at 43/6. Optimizer 23/3-26/3.
-    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True), slowdown=0.5)
+    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True), Sharing(slowdown=0.5))
     assert bars(step, "comm") == [("last", 3, 5), ("first", 17 / 3, 23 / 3)]
     assert ("backward", 2, 43 / 6) in bars(step, "compute")
     assert step.step_s == pytest.approx(26 / 3)
@@ -58,12 +60,16 @@ def test_communication_slowed_while_backward_runs():
     # full speed. "last" launches at 3: its 1 s of latency takes 3-5, half its 1 s of
     # wire 5-6, when backward ends; the other half 6-6.5. "first" (ready at 5, queued)
     # 6.5-8.5, alone. Optimizer 8.5-9.5.
-    step = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=True), comm_slowdown=1.0)
+    step = simulate(
+        TWO, [[1], [0]], COST, StageSchedule(overlap=True), SharedCores(comm_slowdown=1.0)
+    )
     assert bars(step, "comm") == [("last", 3, 6.5), ("first", 6.5, 8.5)]
     assert ("backward", 2, 6) in bars(step, "compute")
     assert step.step_s == pytest.approx(9.5)
     # After backward, as naive and bucketed communicate, nothing is slowed.
-    after = simulate(TWO, [[1], [0]], COST, StageSchedule(overlap=False), comm_slowdown=1.0)
+    after = simulate(
+        TWO, [[1], [0]], COST, StageSchedule(overlap=False), SharedCores(comm_slowdown=1.0)
+    )
     assert after.step_s == pytest.approx(2 + 4 + 2 + 2 + 1)
 
 
@@ -77,7 +83,7 @@ def test_latency_bound_collectives_slowed_apart_from_the_wire_by_hand():
     # rest at full speed to 8 2/3; its wire to 9 2/3. Optimizer to 10 2/3.
     step = simulate(
         TWO, [[1], [0]], COST, StageSchedule(overlap=True),
-        latency_slowdown=1.0, comm_latency_slowdown=2.0,
+        SharedCores(latency_slowdown=1.0, comm_latency_slowdown=2.0),
     )  # fmt: skip
     assert bars(step, "comm") == [("last", 3, 7), ("first", 7, 29 / 3)]
     assert ("backward", 2, 8) in bars(step, "compute")
@@ -150,24 +156,16 @@ def test_ready_order_layout_follows_measured_readiness():
     assert uniform_buckets(w, 16 / MiB, ready_order=True) == [[1, 0], [2]]
 
 
-def test_bounds():
-    layout = [[1], [0]]
-    # Perfect overlap lets the 4 s of communication run from backward's start: max(7, 2+4+1).
-    assert perfect_overlap_bound(TWO, layout, COST) == pytest.approx(7.0)
-    # With the measured ready times it cannot start before 3: the 8 s schedule above.
-    assert achievable_bound(TWO, layout, COST) == pytest.approx(8.0)
-
-
 def test_a_collective_launched_while_another_flies_pays_the_busy_launch():
     both_at_once = Workload((Grad("a", 100, 1.0), Grad("b", 100, 1.0)), 0.0, 1.0, 0.0)
     latency_only = lambda nbytes: Cost(1.0, 0.0)  # noqa: E731
     # One lane: "a" 1-2; "b", launched at 1 while "a" flies, waits, then 1 + 0.5 s: 2-3.5.
-    busy = StageSchedule(overlap=True, busy_launch_s=0.5)
-    step = simulate(both_at_once, [[0], [1]], latency_only, busy)
+    busy = SharedCores(busy_launch_s=0.5)
+    step = simulate(both_at_once, [[0], [1]], latency_only, StageSchedule(True), busy)
     assert bars(step, "comm") == [("a", 1, 2), ("b", 2, 3.5)]
     # Ready apart, nothing flies at "b"'s launch: no extra.
     apart = Workload((Grad("a", 100, 1.0), Grad("b", 100, 3.0)), 0.0, 3.0, 0.0)
-    assert bars(simulate(apart, [[0], [1]], latency_only, busy), "comm") == [
+    assert bars(simulate(apart, [[0], [1]], latency_only, StageSchedule(True), busy), "comm") == [
         ("a", 1, 2), ("b", 3, 4),
     ]  # fmt: skip
 
@@ -182,14 +180,16 @@ def test_stage_copies_in_and_out_by_hand():
     # 20-21-26-27, 27-28-33-34. naive copies out only (its in-place divide): 32.
     work = Workload((Grad("a", 100, 0.010), Grad("b", 100, 0.020)), 0.0, 0.020, 0.0)
     cost = linear_cost(0.005, 0.0)
-    copies = {"copy_in_s_per_byte": 1e-5, "copy_out_s_per_byte": 1e-5}
-    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(overlap=True, **copies))
+    copies = SharedCores(copy_in_s_per_byte=1e-5, copy_out_s_per_byte=1e-5)
+    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(overlap=True), copies)
     assert overlapped.step_s == pytest.approx(0.028)
     comm = [t for s in overlapped.lane("comm") for t in (s.start_s, s.end_s)]
     assert comm == pytest.approx([0.011, 0.016, 0.022, 0.027])
-    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(overlap=False, **copies))
+    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(overlap=False), copies)
     assert bucketed.step_s == pytest.approx(0.034)
-    naive = simulate(work, [[0], [1]], cost, StageSchedule(False, copy_out_s_per_byte=1e-5))
+    naive = simulate(
+        work, [[0], [1]], cost, StageSchedule(False), SharedCores(copy_out_s_per_byte=1e-5)
+    )
     assert naive.step_s == pytest.approx(0.032)
 
 
@@ -202,14 +202,44 @@ def test_stage_own_time_per_gradient_by_hand():
     # one after the other: 24-29-34.
     work = Workload((Grad("a", 100, 0.010), Grad("b", 100, 0.020)), 0.0, 0.020, 0.0)
     cost = linear_cost(0.005, 0.0)
-    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(True, own_s_per_grad=0.002))
+    own = SharedCores(own_s_per_grad=0.002)
+    overlapped = simulate(work, [[0], [1]], cost, StageSchedule(True), own)
     assert overlapped.step_s == pytest.approx(0.029)
     comm = [t for s in overlapped.lane("comm") for t in (s.start_s, s.end_s)]
     assert comm == pytest.approx([0.012, 0.017, 0.024, 0.029])
-    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(False, own_s_per_grad=0.002))
+    bucketed = simulate(work, [[0], [1]], cost, StageSchedule(False), own)
     assert bucketed.step_s == pytest.approx(0.034)
     assert ("stage", 0.020, 0.024) in [
         (s.label, round(s.start_s, 6), round(s.end_s, 6)) for s in bucketed.lane("compute")
     ]
     # Its time is the stage's, not the compute's: exposed, as the benchmark counts it.
     assert bucketed.compute_s == pytest.approx(0.020)
+
+
+def test_the_simulator_reads_in_one_sitting():
+    # The model and its commands, without the virtual CPU cluster's extension: at most
+    # 3,000 lines, none of its files over 500.
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "profiling" / "simulate"
+    lines = {p.name: len(p.read_text().splitlines()) for p in package.glob("*.py")}
+    assert sum(lines.values()) <= 3000, lines
+    assert max(lines.values()) <= 500, lines
+
+
+def test_every_package_is_installed():
+    # A non-editable install holds only the packages pyproject.toml lists.
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(root).parts)
+        for top in ("ddp", "stages", "profiling")
+        for p in (root / top).rglob("__init__.py")
+    }
+    assert found <= listed, sorted(found - listed)

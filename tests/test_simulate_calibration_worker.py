@@ -1,4 +1,4 @@
-"""The calibration's worker itself (`profiling.simulate.calibrate.worker`), on 2 ranks
+"""The calibration's worker itself (`profiling.simulate_cpu.worker`), on 2 ranks
 over loopback (no link shaped: nothing here checks a figure against a rate), with a
 tiny MLP and a two-size sweep: what it keeps of the compute, and each stage's step with
 no communication. About 20 s."""
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ddp.config import Config
-from profiling.simulate import calibrate
+from profiling.simulate_cpu import calibration, worker
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = [["naive", None], ["bucketed", 1e-6], ["overlapped", 1e6], ["drop_in", 1e6]]
@@ -24,7 +24,7 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
     out = tmp_path / "calibration.json"
     settings = {
         "out": str(out),
-        "sweep": {**calibrate.SWEEP, "sizes_bytes": [4096, 65536], "seconds_per_size": 0.05},
+        "sweep": {**calibration.SWEEP, "sizes_bytes": [4096, 65536], "seconds_per_size": 0.05},
         "configs": {
             "mlp": dataclasses.asdict(Config(model="mlp", width=32, depth=2, batch_size=8))
         },
@@ -32,15 +32,15 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "profiling.simulate.calibrate",
+        "-m", "profiling.simulate_cpu.worker",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", calibrate.ENV: json.dumps(settings)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", worker.ENV: json.dumps(settings)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     mlp = json.loads(out.read_text())["models"]["mlp"]
     # Each repeat the slowest rank's: the 15 in a row, then five in each of four spells.
     repeats = mlp["compute_repeats_s"]
-    assert len(repeats) == calibrate.REPEATS + 4 * calibrate.SPELL_REPEATS
+    assert len(repeats) == worker.REPEATS + 4 * worker.SPELL_REPEATS
     for i, phase in enumerate(("forward_s", "backward_s", "optimizer_s")):
         assert mlp["workload"][phase] == statistics.median(r[i] for r in repeats), phase
     # When each was timed: four spells and the repeats in a row, from the first spell on.
@@ -66,7 +66,7 @@ import stages
 from ddp.config import Config
 from ddp.dist import teardown_process_group
 from ddp.train import ComputeOnly
-from profiling.simulate import calibrate
+from profiling.simulate_cpu import measure
 
 class Slow(ComputeOnly):  # the compute, and 20 ms of the stage's own after backward
     def __init__(self, module, *, process_group=None, bucket_cap_mb=None):
@@ -85,7 +85,7 @@ stages._load = lambda: {"slow": Slow, "cold": Cold}
 store = dist.FileStore(tempfile.mkdtemp() + "/store", 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 cfg = Config(model="mlp", width=32, depth=2, batch_size=8)
-print(json.dumps(calibrate._own_steps(cfg, [["slow", 1e6], ["cold", None]])))
+print(json.dumps(measure.own_steps(cfg, [["slow", 1e6], ["cold", None]])))
 teardown_process_group()
 if os.path.isdir("/proc/self/task"):  # Linux: which threads outlived the teardown
     names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from profiling.simulate import paper, presets, scale
+from profiling.simulate import clusters, paper, presets, scale
 from profiling.simulate.schedule import Grad, Workload
 from profiling.simulate.topology import Topology, halving_doubling, ring
 
@@ -24,7 +24,7 @@ MiB = 2**20
     "model,network", [("resnet50", "li2020"), ("bert_large", "li2020"), ("resnet50", "goyal2017")]
 )
 def test_efficiency_is_one_at_the_reference_and_never_rises(model, network, algorithm):
-    net = presets.NETWORKS[network]
+    net = clusters.cluster(network)
     w = presets.workload(model, net.gpu)
     result = scale.sweep(w, net.topology, algorithm, scale.DEFAULT_GPUS, 25, [])
     e = [r["efficiency"] for r in result["scaling"]]
@@ -71,7 +71,7 @@ def test_bucket_curve_without_latency_has_no_u():
 def test_goyal_latency_for_3x_gives_3x():
     # The latency paper mode solves for, put back into the ring and halving-doubling
     # between 32 servers, gives the ratio it was solved for.
-    net = presets.NETWORKS["goyal2017"]
+    net = clusters.cluster("goyal2017")
     w = presets.workload("resnet50", net.gpu)
     found = paper.goyal_halving_doubling(w, net.topology)["alpha_for_3x_at_4mib_s"]
     servers = Topology(
@@ -111,6 +111,8 @@ def test_scale_command_writes_its_results(tmp_path, capsys, monkeypatch):
                 "25",
                 "--json",
                 str(out),
+                "--out",
+                str(tmp_path),
                 "--plot",
                 str(tmp_path / "s.png"),
             ],
@@ -122,7 +124,9 @@ def test_scale_command_writes_its_results(tmp_path, capsys, monkeypatch):
     assert [r["gpus"] for r in data["scaling"]] == [8, 16, 32]
     assert data["settings"]["topology"]["inter_bytes_per_s"] == pytest.approx(25e9 / 8)
     assert data["settings"]["network"] == "li2020 (modified)"
-    assert "| 32 | 4 |" in (tmp_path / "s.md").read_text()
+    # Under --out, named by the model and the cluster, which the flags changed.
+    assert "| 32 | 4 |" in (tmp_path / "scale-resnet50-li2020-custom.md").read_text()
+    assert json.loads((tmp_path / "scale-resnet50-li2020-custom.json").read_text()) == data
     assert_legible(tmp_path / "s.png", sizes)
 
 
@@ -130,11 +134,10 @@ def test_paper_command_writes_every_fragment(tmp_path, monkeypatch):
     from tests.figures import assert_legible, record_font_sizes
 
     sizes = record_font_sizes(monkeypatch)
-    (tmp_path / "results").mkdir()
-    (tmp_path / "images").mkdir()
     paper.run(_args(paper, ["--out", str(tmp_path)]))
-    names = {p.name for p in (tmp_path / "results").iterdir()}
+    names = {p.name for p in tmp_path.iterdir()}
     assert names == {
+        "paper.png",
         "paper.json",
         "paper-summary.md",
         "paper-li-scaling.md",
@@ -143,6 +146,6 @@ def test_paper_command_writes_every_fragment(tmp_path, monkeypatch):
         "paper-goyal-efficiency.md",
         "paper-goyal-halving-doubling.md",
     }
-    summary = (tmp_path / "results" / "paper-summary.md").read_text()
+    summary = (tmp_path / "paper-summary.md").read_text()
     assert summary.count("\n| ") == 9  # header and the eight figures
-    assert_legible(tmp_path / "images" / "paper.png", sizes)
+    assert_legible(tmp_path / "paper.png", sizes)

@@ -5,51 +5,44 @@ comparisons."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
-from profiling.simulate import paper, presets, shape
+from profiling.simulate import paper, presets, shape, usermodel
+from tests.fixtures import user_models
 
-TINY_BERT = presets.BertConfig(
-    layers=2, hidden=32, heads=4, ffn=64, vocab=50, positions=16, seq_len=8
-)
-
-
-def test_bert_module_holds_the_layer_lists_parameters_by_name_and_size():
-    module = [(n, p.numel()) for n, p in presets.bert_large().named_parameters()]
-    layers = [param for layer in presets.bert_large_layers() for param in layer.params]
-    assert sorted(module) == sorted(layers)
-    tiny = [(n, p.numel()) for n, p in presets.bert_large(TINY_BERT).named_parameters()]
-    assert sorted(tiny) == sorted(
-        p for layer in presets.bert_large_layers(TINY_BERT) for p in layer.params
-    )
+TINY = "tests.fixtures.user_models:tiny_bert"
 
 
 def test_bert_shape_on_the_cpu_has_every_gradient_in_backward_order():
-    s = shape.measure("bert_large", 2, "cpu", repeats=2, warmup=1, bert_config=TINY_BERT)
-    names = {name for layer in presets.bert_large_layers(TINY_BERT) for name, _ in layer.params}
-    assert set(s.ready_s) == names
-    assert all(0 <= t <= s.backward_s for t in s.ready_s.values())
-    assert 0 < s.forward_fraction < 1 and s.optimizer_s > 0
-    # The word embedding is used first in forward and again by the tied decoder: its
-    # gradient is complete only when backward reaches the embedding, last.
-    assert max(s.ready_s, key=s.ready_s.get) == "bert.embeddings.word_embeddings.weight"
+    s = shape.measure(TINY, (8,), 2, "cpu", repeats=2, warmup=1, optimizer="adam")
+    names = [n for n, p in user_models.tiny_bert().named_parameters() if p.requires_grad]
+    assert set(s.ready_s) == set(names) and s.model == TINY
+    # The classifier's gradients first, the embeddings' last; every one inside backward.
+    ready = s.ready_s
+    assert ready["cls.seq_relationship.weight"] < ready["bert.encoder.layer.0.output.dense.weight"]
     assert (
-        s.ready_s["cls.seq_relationship.weight"]
-        < s.ready_s["bert.encoder.layer.0.output.dense.weight"]
+        ready["bert.encoder.layer.0.output.dense.weight"]
+        <= ready["bert.embeddings.word_embeddings.weight"]
     )
+    assert all(0 <= t <= s.backward_s * (1 + 1e-9) for t in ready.values())
+    assert s.forward_s > 0 and s.optimizer_s > 0
 
 
 def test_resnet_shape_on_the_cpu_is_ready_from_the_head_back():
-    s = shape.measure("resnet50", 2, "cpu", repeats=1, warmup=0, image_size=32)
-    assert len(s.ready_s) == 161
+    spec, _ = presets.FACTORIES["resnet50"]
+    s = shape.measure(spec, (3, 32, 32), 2, "cpu", repeats=1, warmup=0, name="resnet50")
+    assert len(s.ready_s) == 161 and s.model == "resnet50"
     assert s.ready_s["fc.weight"] < s.ready_s["layer3.0.conv1.weight"] < s.ready_s["conv1.weight"]
 
 
 def test_bad_measure_arguments_are_named():
-    with pytest.raises(ValueError, match="no model preset 'gpt'"):
-        shape.measure("gpt", 1, "cpu")
+    with pytest.raises(ValueError, match="cannot import 'gpt'"):
+        shape.measure("gpt:build", (8,), 1, "cpu")
     with pytest.raises(ValueError, match="need repeats >= 1"):
-        shape.measure("resnet50", 1, "cpu", repeats=0)
+        shape.measure(TINY, (8,), 1, "cpu", repeats=0)
 
 
 def assumed_as_shape(model: str, gpu: str) -> shape.Shape:
@@ -71,30 +64,25 @@ def test_a_shape_that_says_what_the_assumption_says_changes_nothing():
 
 
 def test_a_measured_split_by_hand():
-    # Two layers, 10 s an iteration; measured: forward 1 s, backward 3 s, and each
+    # Three gradients, 10 s an iteration; measured: forward 1 s, backward 3 s, and each
     # gradient at 1, 1/4 and 1/10 of backward.
-    layers = (
-        presets.Layer("a", (("a.weight", 2),), 1.0),
-        presets.Layer("b", (("b.weight", 3), ("b.bias", 1)), 3.0),
-    )
-    compute = presets.Compute("V100", 10, 1.0, "by hand", 4)  # 10 s an iteration
+    names = ("a.weight", "b.weight", "b.bias")
+    prof = usermodel.Profile(names, (2, 3, 1), 0.5, dict.fromkeys(names, 0.5), "flops")
     measured = shape.Shape(
         "x", 10, "none", forward_s=1.0, backward_s=3.0, optimizer_s=5.0,
         ready_s={"a.weight": 3.0, "b.weight": 0.75, "b.bias": 0.3},
     )  # fmt: skip
-    w = presets.workload_from(layers, compute, measured)
-    rest = 10.0 - w.optimizer_s  # the optimizer stays the preset's: bytes over bandwidth
-    assert w.optimizer_s == pytest.approx(6 * 4 / presets.MEMORY_BYTES_PER_S["V100"])
-    assert w.forward_s == pytest.approx(rest / 4)  # forward: 1 of 1 + 3 measured
-    assert w.backward_s == pytest.approx(rest * 3 / 4)
+    split = measured.profile(prof)
+    assert split.forward_fraction == pytest.approx(1 / 4)  # forward: 1 of 1 + 3 measured
+    assert split.ready_fraction == pytest.approx({"a.weight": 1.0, "b.weight": 0.25, "b.bias": 0.1})
+    w = usermodel.workload(split, 10.0, 2.0)  # the optimizer stays the preset's
+    assert (w.forward_s, w.backward_s) == pytest.approx((2.0, 6.0))
     assert [(g.name, g.nbytes) for g in w.grads] == [
         ("a.weight", 8),
         ("b.weight", 12),
         ("b.bias", 4),
     ]
-    assert [g.ready_s for g in w.grads] == pytest.approx(
-        [w.backward_s * 1.0, w.backward_s * 0.25, w.backward_s * 0.1]
-    )
+    assert [g.ready_s for g in w.grads] == pytest.approx([6.0, 1.5, 0.6])
 
 
 def test_a_shape_of_another_model_or_other_parameters_is_refused():
@@ -106,26 +94,31 @@ def test_a_shape_of_another_model_or_other_parameters_is_refused():
         presets.workload("resnet50", "V100", fewer)
 
 
+def paper_with(shapes) -> dict:
+    result = paper.compare()
+    result["measured_split"] = paper.compare(shapes)
+    result["command"] = "test"
+    return result
+
+
 def test_paper_comparisons_move_with_the_measured_ready_times():
     same = [assumed_as_shape(m, g) for m, g in presets.COMPUTE]
-    result = paper.compare()
-    result["measured_shape"] = paper.with_shapes(same)
-    result["command"] = "test"
-    table = paper.markdown(result)["shape"].split("\n\n")[2]
+    result = paper_with(same)
+    table = paper.markdown(result)["summary"].split("\n\n")[1]
     rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
-    assert len(rows) == 7 and all(row[2] == row[3] for row in rows)  # nothing moved
+    assert len(rows) == 8 and all(row[2] == row[3] for row in rows)  # nothing moved
     # Every BERT gradient ready only at backward's end: nothing left to overlap.
     bert = assumed_as_shape("bert_large", "V100")
     late = shape.Shape(**{**bert.__dict__, "ready_s": dict.fromkeys(bert.ready_s, bert.backward_s)})
-    moved = paper.with_shapes([late])
-    overlap = moved["comparison"]["li_overlap"]["bert_large"]
-    assert overlap["speedup"] == pytest.approx(0.0, abs=1e-9)
-    assert result["li_overlap"]["bert_large"]["speedup"] > 0.3  # 41% as assumed
-    gaps = moved["shapes"][0]
-    assert gaps["ready_gap_median"] > 0.3 and gaps["forward_fraction"] == pytest.approx(1 / 3)
+    moved = paper.compare([late])
+    assert moved["li_overlap"]["bert_large"]["speedup"] == pytest.approx(0.0, abs=1e-9)
+    assert result["li_overlap"]["bert_large"]["speedup"] > 0.3  # as split by FLOPs
 
 
-def test_a_shape_at_a_batch_no_preset_has_is_refused():
+def test_a_shape_at_a_batch_no_preset_has_is_refused(tmp_path):
     odd = shape.Shape(**{**assumed_as_shape("resnet50", "V100").__dict__, "batch": 64})
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(odd.__dict__))
+    args = argparse.Namespace(shape=[str(path)], out=tmp_path, docs=False, no_files=True)
     with pytest.raises(SystemExit, match="resnet50 at batch 64 matches no preset"):
-        paper.with_shapes([odd])
+        paper.run(args)

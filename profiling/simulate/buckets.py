@@ -1,211 +1,108 @@
-"""Where a bucket layout can win: torch's default layout against uniform caps, predicted.
+"""Which bucket_cap_mb: torch's default layout against uniform caps, predicted.
 
-torch's `bucket_cap_mb=None` is 25 MiB after a 1 MiB first bucket, tuned for large
-models. A model of a few tens of MiB gets a first bucket of its last layer or two and
-a second holding the rest, which cannot start before backward ends. This command asks
-the validated model, before anything is measured on the cluster, how much each of
-some MLP shapes loses to that layout: for each it predicts torch's DDP step at its
-default layout and the drop-in's at each uniform cap the automatic stage would try
-(`stages.auto_bucket.CANDIDATES_MB`), and prints the gain of the best.
+    python -m profiling.simulate buckets --model mypackage.models:build \\
+        --input-shape 3,224,224 --batch-size 32 --iteration-ms 180 --cluster dgx_a100
 
-    python -m profiling.simulate buckets --shapes 1024x5x256 512x20x512
-    python -m profiling.simulate buckets --network 4gbit --markdown /tmp/buckets.md
-
-A shape is width x depth x per-rank batch; the default five are the benchmarks' MLP
-(2048 x 7), the validation's (1024 x 5) and three more spanning 19 to 44 MiB of
-gradients. Each shape's compute is measured here on one process with one thread
-(`inputs.measure_workload`); the collective cost and the slowdowns are a validation's
-calibration (its JSON, `validate --json`), at the rate and world size asked; nothing
-else is run. The slowdowns, and the cost per byte of a pass over the gradients, are
-those calibrated for the validation's MLP (16 MiB), the nearest kind of model; a larger
-model's pass may cost more per byte.
+For `--model` (a preset or yours, `usermodel`) on a cluster (`clusters`), at each of
+--gpus: the step of torch's DDP at its default layout (`layouts.torch_buckets`: 25 MiB
+after a 1 MiB first bucket) and of the stages' layout at each cap the automatic stage
+tries (`stages.auto_bucket.CANDIDATES_MB`), both rebuilt in ready order as they are
+after the first step, overlapped; the fastest cap and its gain. The same question on
+the virtual CPU cluster, for some MLPs: `python -m profiling.simulate_cpu buckets`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from profiling.simulate.calibrate import Calibration
     from profiling.simulate.schedule import Workload
 
-DEFAULT_SHAPES = ("2048x7x256", "1024x5x256", "1024x8x512", "1024x12x256", "512x20x512")
-CALIBRATION = "docs/results/simulate-validate.json"
+
+# --8<-- [start:on_cluster]
+def caps_on_cluster(
+    workload: Workload, topo, algorithm: str, gpus: Sequence[int], caps_mb: Sequence[float]
+) -> list[dict]:
+    """At each GPU count: torch's default layout's step, each cap's, the fastest cap (of
+    caps that build the same layout, the largest) and its gain in percent of torch's."""
+    from profiling.simulate.layouts import torch_buckets, uniform_buckets
+    from profiling.simulate.schedule import StageSchedule, simulate
+    from profiling.simulate.topology import cost_model
+
+    layouts = {cap: uniform_buckets(workload, cap, ready_order=True) for cap in caps_mb}
+    default = torch_buckets(workload)
+    rows = []
+    for p in gpus:
+        cost = cost_model(topo.with_gpus(p), algorithm)
+
+        def step_s(buckets, cost=cost) -> float:
+            return simulate(workload, buckets, cost, StageSchedule(overlap=True)).step_s
+
+        caps = {cap: step_s(buckets) for cap, buckets in layouts.items()}
+        best_s = min(caps.values())
+        default_s = step_s(default)
+        rows.append({
+            "gpus": p, "default_s": default_s, "caps_s": caps, "best_s": best_s,
+            "best_cap_mb": max(c for c, s in caps.items() if s == best_s),
+            "gain_pct": (1 - best_s / default_s) * 100,
+        })  # fmt: skip
+    return rows
 
 
-@dataclass(frozen=True)
-class Shape:
-    width: int
-    depth: int
-    batch_size: int  # per rank
-
-    @property
-    def label(self) -> str:
-        return f"{self.width}x{self.depth}, batch {self.batch_size}/rank"
-
-
-def parse_shape(text: str) -> Shape:
-    """`WIDTHxDEPTHxBATCH`, e.g. `512x20x512`."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(
-            f"shape {text!r}: give width x depth x per-rank batch as three positive "
-            "integers, e.g. 512x20x512"
-        )
-    return Shape(*map(int, parts))
-
-
-# --8<-- [start:against]
-def default_against_caps(
-    workload: Workload, calibration: Calibration, caps_mb: Sequence[float], model: str = "mlp"
-) -> dict:
-    """Predicted steps (ms) with `workload` as `model`'s compute: torch's DDP at its
-    default layout (`layouts.torch_buckets`), and the drop-in at each uniform cap, both
-    with the drop-in's schedule (one lane, launched as buckets fill, copies in and out);
-    the best cap (of caps that build the same layout, the largest) and its gain on
-    torch's default, in percent of torch's step."""
-    from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.schedule import simulate
-    from profiling.simulate.validate import Run, asynchronous_schedule, buffer_broadcast_s, predict
-
-    calibration = replace(
-        calibration,
-        workloads={**calibration.workloads, model: workload},
-        # A stage's own time was timed on the calibration's shape, not on this one.
-        own_steps_s={},
-    ).for_model(model)  # the copies too: torch's step and the drop-in's alike
-    # torch's DDP broadcasts buffers before forward, as the drop-in does; it exchanges no
-    # status rows (the drop-in's predict adds both).
-    broadcast_s = buffer_broadcast_s(calibration, model)
-    torch_step = simulate(
-        replace(workload, forward_s=workload.forward_s + broadcast_s),
-        torch_buckets(workload),
-        calibration.cost,
-        asynchronous_schedule(calibration),
-        **calibration.contention(model),
-    )
-    world = calibration.world_size
-    caps = {
-        cap: predict(Run(model, calibration.rate, world, "drop_in", cap), calibration)[
-            "predicted_ms"
-        ]
-        for cap in caps_mb
-    }
-    best_ms = min(caps.values())
-    ties = [cap for cap, ms in caps.items() if ms == best_ms]  # the same layout, to the bit
-    default_ms = torch_step.step_s * 1e3
-    return {
-        "default_ms": default_ms,
-        "caps_ms": caps,
-        "best_cap_mb": max(ties),
-        "tied_caps_mb": sorted(ties),
-        "best_ms": best_ms,
-        "gain_pct": (1 - best_ms / default_ms) * 100,
-    }
-
-
-# --8<-- [end:against]
+# --8<-- [end:on_cluster]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from profiling.simulate import clusters, outputs, usermodel
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
+    usermodel.add_arguments(parser)
+    clusters.add_arguments(parser, default="li2020")
     parser.add_argument(
-        "--shapes",
-        nargs="+",
-        default=list(DEFAULT_SHAPES),
-        metavar="WxDxB",
-        help="MLP shapes: width x depth x per-rank batch (default: %(default)s)",
-    )
-    parser.add_argument("--network", default="1gbit", help="the calibration's rate")
-    parser.add_argument("--nproc", type=int, default=2, help="the calibration's world size")
-    parser.add_argument(
-        "--calibration",
-        default=CALIBRATION,
-        metavar="JSON",
-        help="a validation's JSON (validate --json) holding that calibration",
-    )
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per shape")
-    parser.add_argument("--markdown", help="write the table as a fragment for the docs")
+        "--gpus", default="8,16,32,64,128,256",
+        help="GPU counts, comma-separated (default: %(default)s)",
+    )  # fmt: skip
+    outputs.add_arguments(parser)
+    parser.add_argument("--markdown", help="write the table here too")
 
 
 def run(args: argparse.Namespace) -> None:
-    from ddp.config import Config
-    from ddp.heap import steady_heap
-    from profiling.report import command_line, markdown_table, produced_by, read_json
-    from profiling.simulate.calibrate import Calibration
-    from profiling.simulate.inputs import measure_workload
-    from profiling.simulate.validate import calibration_for
+    """The table of `caps_on_cluster`, its assumptions first."""
+    from profiling.report import command_line, markdown_table, produced_by
+    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate.scale import _numbers
     from stages.auto_bucket import CANDIDATES_MB
 
-    def fail(why: str) -> NoReturn:
-        sys.exit(f"profiling.simulate buckets: {why}")
-
     try:
-        shapes = [parse_shape(s) for s in args.shapes]
-    except ValueError as e:
-        fail(str(e))
-    if args.repeats < 1:
-        fail(f"--repeats must be at least 1, got {args.repeats}")
-    path = Path(args.calibration)
-    if not path.is_file():
-        fail(
-            f"no calibration file {path}; run `python -m profiling.simulate validate "
-            "--json FILE` and pass --calibration FILE"
-        )
-    data = read_json(
-        path, "profiling.simulate buckets", "calibrations", "profiling.simulate validate"
-    )
-    try:
-        found = calibration_for(data["calibrations"], args.network, args.nproc, "mlp")
-    except KeyError as e:
-        fail(f"{path}: {e.args[0]}; pick --network and --nproc from the validation's grid")
-    calibration = Calibration.from_json(found)
-    steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
-    body = []
-    for shape in shapes:
-        cfg = Config(model="mlp", width=shape.width, depth=shape.depth, batch_size=shape.batch_size)
-        workload = measure_workload(cfg, args.nproc, repeats=args.repeats, warmup=2)
-        r = default_against_caps(workload, calibration, CANDIDATES_MB)
-        ties = r["tied_caps_mb"]
-        caps = f"{ties[0]:g}" if len(ties) == 1 else f"{ties[0]:g} to {ties[-1]:g}"
-        body.append(
-            [
-                shape.label,
-                f"{sum(g.nbytes for g in workload.grads) / 2**20:.1f}",
-                f"{workload.compute_s * 1e3:.1f}",
-                f"{r['default_ms']:.1f}",
-                f"{caps}: {r['best_ms']:.1f}",
-                f"{r['gain_pct']:.1f}%",
-            ]
-        )
-        print(f"{shape.label}: " + ", ".join(body[-1][1:]), flush=True)
-    header = [
-        f"MLP ({args.network}, {args.nproc} ranks)",
-        "gradients MiB",
-        "compute ms",
-        "torch's default ms",
-        "best uniform caps (MiB): ms",
-        "predicted gain",
-    ]
-    text = "\n".join(
-        [
-            produced_by(
-                [command_line("profiling.simulate")],
-                ", from the repository root. Caps that build the same layout share a row: "
-                "below a weight's size, each weight has its own bucket",
-            ),
-            "",
-            markdown_table(header, body),
-            "",
-        ]
-    )
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-        print(f"wrote {args.markdown}")
+        cluster, custom = clusters.from_args(args)
+        gpus = _numbers(args.gpus, "gpus", int)
+        for p in gpus:
+            cluster.topology.with_gpus(p)
+        workload, lines, _ = usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+    except ValueError as error:
+        raise SystemExit(f"buckets: {error}") from None
+    name = args.cluster + (" (modified)" if custom else "")
+    lines += clusters.describe(cluster, name, args.algorithm)
+    rows = caps_on_cluster(workload, cluster.topology, args.algorithm, gpus, CANDIDATES_MB)
+    body = [
+        [str(r["gpus"]), f"{workload.compute_s * 1e3:.1f}", f"{r['default_s'] * 1e3:.1f}",
+         f"{r['best_cap_mb']:g}: {r['best_s'] * 1e3:.1f}", f"{r['gain_pct']:.1f}%"]
+        for r in rows
+    ]  # fmt: skip
+    header = ["GPUs", "compute ms", "torch's default ms", "fastest cap (MiB): ms", "gain"]
+    table = markdown_table(header, body)
+    text = "\n".join([produced_by([command_line("profiling.simulate")]), "", "```text",
+                      *lines, "```", "", table, ""])  # fmt: skip
+    print("\n".join(lines) + "\n\n" + table)
+    paths = [Path(args.markdown)] if args.markdown else []
+    if not args.no_files:
+        results, _ = outputs.folders(args)
+        model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
+        paths.append(results / f"buckets-{model}-{args.cluster}.md")
+    for path in paths:
+        path.write_text(text)
+        print(f"wrote {path}")

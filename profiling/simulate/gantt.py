@@ -1,73 +1,24 @@
-"""The simulated step of naive, bucketed, overlapped and skip_sync, drawn in two lanes.
+"""One simulated step, drawn: a compute lane and a communication lane, as the
+stage pages draw the traced step.
 
-As the stage pages draw the traced step: a compute lane and a communication lane.
+    python -m profiling.simulate gantt --model resnet50 --cluster li2020 --gpus 32
 
-    python -m profiling.simulate gantt      # docs/images/gantt-<stage>.svg
-
-The workload is the one `profiling.course_timelines` traces (the benchmarks' MLP,
-2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
-measured here on one process with one thread (`inputs.measure_workload`), so each page
-can set the model's step beside the measured one. The collective cost, the slowdowns
-and the cost per byte of a pass over the gradients (the validation MLP's 16 MiB; this
-one has 96 MiB) come from a validation's calibration on the same cluster (1 Gbit/s,
-2 ranks), read from its JSON (`validate --json`); nothing else is run.
+One overlapped step of `--model` (a preset or yours, `usermodel`) on a cluster
+(`clusters`) at --gpus and --bucket-cap-mb. The course's drawings of four stages on
+the virtual CPU cluster are `python -m profiling.simulate_cpu gantt`, which draws with
+`draw` below.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from profiling.report import read_json
 from profiling.simulate.schedule import Step
 
-MODEL = {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128}
-BUCKET_CAP_MB = 25.0  # the stages' default, as the traced runs used
-ACCUMULATION_STEPS = 4
-STAGES = ("naive", "bucketed", "overlapped", "skip_sync")
-CAPTIONS = {
-    "naive": "simulated naive: after backward, one blocking all-reduce per parameter",
-    "bucketed": "simulated bucketed: after backward, one all-reduce per 25 MiB bucket",
-    "overlapped": "simulated overlapped: each bucket's all-reduce starts inside backward",
-    "skip_sync": f"simulated skip_sync: {ACCUMULATION_STEPS} micro-batches, the last synchronises",
-}
 WIDTH_IN = 8.0  # as the traced timelines: the docs' content column
 FONT_PT = 10
 COPY_COLOUR = "#9e9e9e"  # the stage moving gradients into and out of its buckets
-
-
-def simulate_stages(workload, calibration) -> dict[str, Step]:
-    """Each of STAGES' simulated step on `workload` with `calibration`'s cost and
-    slowdowns (the MLP's)."""
-    import dataclasses
-
-    from profiling.simulate.schedule import simulate
-    from profiling.simulate.validate import layout
-
-    # Its copies and its call after backward too, where measured (both timed on the
-    # validation's MLP, 1024 x 5, not on this trace's 2048 x 7).
-    calibration = calibration.for_model("mlp")
-
-    def plan(stage: str):  # the validation's layout and schedule of each stage
-        return layout(stage, workload, BUCKET_CAP_MB, calibration)
-
-    buckets, overlap = plan("overlapped")
-    plans = {
-        "naive": plan("naive"),
-        "bucketed": plan("bucketed"),
-        "overlapped": (buckets, overlap),
-        "skip_sync": (
-            buckets,
-            dataclasses.replace(overlap, accumulation_steps=ACCUMULATION_STEPS),
-        ),
-    }
-    return {
-        stage: simulate(
-            workload, layout, calibration.cost, schedule, **calibration.contention("mlp")
-        )
-        for stage, (layout, schedule) in plans.items()
-    }
 
 
 def draw(step: Step, caption: str, path: Path) -> None:
@@ -111,36 +62,47 @@ def draw(step: Step, caption: str, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--calibration",
-        type=Path,
-        default=Path("docs/results/simulate-validate.json"),
-        help="a validation's JSON (validate --json): its calibration at --rate, --world-size",
-    )
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("docs/images"), help="gantt-<stage>.svg")
+    from profiling.simulate import clusters, outputs, usermodel
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    usermodel.add_arguments(parser)
+    clusters.add_arguments(parser, default="li2020")
+    parser.add_argument("--gpus", type=int, default=32, help="(default: 32)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="(default: 25)")
+    outputs.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> None:
-    from ddp.config import Config
-    from ddp.heap import steady_heap
-    from profiling.simulate.calibrate import Calibration
-    from profiling.simulate.inputs import measure_workload
-    from profiling.simulate.validate import calibration_for
+    """One overlapped step at --gpus, drawn, its assumptions printed."""
+    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate.layouts import uniform_buckets
+    from profiling.simulate.schedule import StageSchedule, simulate
+    from profiling.simulate.topology import cost_model
 
-    data = read_json(
-        args.calibration, "profiling.simulate gantt", "calibrations", "profiling.simulate validate"
-    )
     try:
-        found = calibration_for(data["calibrations"], args.rate, args.world_size, MODEL["model"])
-    except KeyError as e:
-        raise SystemExit(f"{args.calibration}: {e.args[0]}; pass --rate and --world-size") from None
-    calibration = Calibration.from_json(found)
-    print("measuring the workload's compute ...", file=sys.stderr, flush=True)
-    steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
-    workload = measure_workload(Config(**MODEL), args.world_size)
-    for stage, step in simulate_stages(workload, calibration).items():
-        path = args.out / f"gantt-{stage}.svg"
-        draw(step, CAPTIONS[stage], path)
-        print(f"{stage}: simulated step {step.step_s * 1e3:.0f} ms, wrote {path}")
+        cluster, custom = clusters.from_args(args)
+        topo = cluster.topology.with_gpus(args.gpus)
+        workload, lines, _ = usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+        buckets = uniform_buckets(workload, args.bucket_cap_mb, ready_order=True)
+    except ValueError as error:
+        raise SystemExit(f"gantt: {error}") from None
+    name = args.cluster + (" (modified)" if custom else "")
+    print("\n".join(lines + clusters.describe(cluster, name, args.algorithm)))
+    step = simulate(workload, buckets, cost_model(topo, args.algorithm), StageSchedule(True))
+    print(
+        f"\n{args.gpus} GPUs, bucket_cap_mb {args.bucket_cap_mb:g} ({len(buckets)} buckets), "
+        f"overlapped: step {step.step_s * 1e3:.1f} ms, compute {step.compute_s * 1e3:.1f} ms, "
+        f"exposed communication {step.exposed_comm_s * 1e3:.1f} ms"
+    )
+    if args.no_files:
+        return
+    _, images = outputs.folders(args)
+    model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
+    path = images / f"gantt-{model}-{args.cluster}-{args.gpus}gpus.svg"
+    caption = (
+        f"simulated: {args.model.rpartition(':')[2]} on {args.gpus} GPUs of {name}, "
+        f"{args.bucket_cap_mb:g} MiB buckets"
+    )
+    draw(step, caption, path)
+    print(f"wrote {path}")

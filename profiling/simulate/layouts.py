@@ -1,5 +1,6 @@
 """Bucket layouts for the model, cut by the stages' own rule (`ddp.buckets.plan_buckets`)
-on stand-in parameters: meta tensors of each gradient's size, which hold no memory."""
+or torch's, on stand-in parameters: meta tensors of each gradient's size, which hold no
+memory."""
 
 from __future__ import annotations
 
@@ -11,13 +12,21 @@ from profiling.simulate.schedule import Workload
 
 
 def stand_ins(workload: Workload) -> list[tuple[str, nn.Parameter]]:
-    """One float32 meta parameter of the gradient's bytes per gradient, in parameter
-    order (the stages' models train in float32)."""
-    odd = [g.name for g in workload.grads if g.nbytes % 4]
-    if odd:
-        raise ValueError(f"gradients {odd} are not a whole number of float32 elements")
+    """One meta parameter of the gradient's bytes per gradient, in parameter order:
+    float32 (the stages' models train in it), or 16-bit where a gradient's bytes are
+    not a whole number of float32 elements (bf16 or fp16 gradients). One dtype for all,
+    as a bucket holds one."""
+    dtype = next(
+        (d for d in (torch.float32, torch.float16)
+         if all(g.nbytes % d.itemsize == 0 for g in workload.grads)),
+        None,
+    )  # fmt: skip
+    if dtype is None:
+        odd = [g.name for g in workload.grads if g.nbytes % 2][:3]
+        raise ValueError(f"gradients {odd} are not a whole number of 16-bit elements")
     return [
-        (g.name, nn.Parameter(torch.empty(g.nbytes // 4, device="meta"))) for g in workload.grads
+        (g.name, nn.Parameter(torch.empty(g.nbytes // dtype.itemsize, dtype=dtype, device="meta")))
+        for g in workload.grads
     ]
 
 

@@ -12,18 +12,19 @@ and recursive halving-doubling 3x faster than the ring between 32 servers.
 Each comparison runs `schedule.simulate` on a preset (`presets`: published model sizes
 and iteration times, the papers' clusters, NCCL's latencies) and, where the model misses
 the paper's figure, asks what the cluster would have had to be for the model to meet it.
-Writes docs/results/paper.json, one Markdown fragment per comparison
-(docs/results/paper-*.md) and docs/images/paper.png.
+Writes paper.json, one Markdown fragment per comparison (paper-*.md) and paper.png
+under runs/simulate/ (or --out); --docs refreshes the docs' own.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from profiling.simulate.shape import Shape
+if TYPE_CHECKING:
+    from profiling.simulate.shape import Shape
 
 GPUS = [8, 16, 32, 64, 128, 256]
 BUCKET_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]  # Li et al.'s sweep went 0 to 200 MB
@@ -39,8 +40,9 @@ SIZES = [2**12, 2**16, 2**20, 4 * 2**20, 16 * 2**20, 100 * 2**20]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    parser.add_argument("--out", default="docs", help="folder with results/ and images/")
-    parser.add_argument("--no-files", action="store_true", help="print only")
+    from profiling.simulate import outputs
+
+    outputs.add_arguments(parser)
     parser.add_argument(
         "--shape",
         action="append",
@@ -51,23 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from profiling import report
-    from profiling.simulate import shape
+    from profiling.simulate import outputs, presets, shape
 
     shapes = [shape.load(path) for path in args.shape or []]  # a bad file: before any work
+    have = {(m, c.batch) for (m, _), c in presets.COMPUTE.items()}
+    for s in shapes:
+        if (s.model, s.batch) not in have:
+            known = ", ".join(f"{m} at batch {b}" for m, b in sorted(have))
+            raise SystemExit(f"--shape: {s.model} at batch {s.batch} matches no preset ({known})")
     result = compare()
     if shapes:
-        result["measured_shape"] = with_shapes(shapes)
+        result["measured_split"] = compare(shapes)
     result["command"] = report.command_line("profiling.simulate")
     fragments = markdown(result)
     print(fragments["summary"])
     if args.no_files:
         return
-    results, images = Path(args.out, "results"), Path(args.out, "images")
-    results.mkdir(parents=True, exist_ok=True)
-    images.mkdir(parents=True, exist_ok=True)
+    results, images = outputs.folders(args)
     report.write_json(results / "paper.json", result)
     for name, text in fragments.items():
         (results / f"paper-{name}.md").write_text(text)
@@ -81,11 +84,11 @@ def run(args: argparse.Namespace) -> None:
 
 def compare(shapes: Sequence[Shape] = ()) -> dict:
     """Every comparison; a preset whose model and batch one of `shapes` measured is
-    split as measured (`presets.workload_from`), the others as assumed."""
+    split as measured (`presets.workload`), the others by FLOPs."""
     from profiling.simulate import presets
+    from profiling.simulate.clusters import cluster
 
-    li = presets.NETWORKS["li2020"]
-    goyal = presets.NETWORKS["goyal2017"]
+    li, goyal = cluster("li2020"), cluster("goyal2017")
 
     def workload(model: str, gpu: str):
         return presets.workload(model, gpu, _shape_for(shapes, model, gpu))
@@ -99,8 +102,8 @@ def compare(shapes: Sequence[Shape] = ()) -> dict:
         "goyal_efficiency": goyal_efficiency(resnet_p100, goyal.topology),
         "goyal_halving_doubling": goyal_halving_doubling(resnet_p100, goyal.topology),
         "sources": {
-            "li2020": li.source,
-            "goyal2017": goyal.source,
+            "li2020": li.sources,
+            "goyal2017": goyal.sources,
             **{f"{m} on {g}": c.source for (m, g), c in presets.COMPUTE.items()},
         },
     }
@@ -112,48 +115,6 @@ def _shape_for(shapes: Sequence[Shape], model: str, gpu: str) -> Shape | None:
 
     batch = presets.COMPUTE[model, gpu].batch
     return next((s for s in shapes if s.model == model and s.batch == batch), None)
-
-
-# Which presets each summary row's model comes from (row order of `summary_rows`); the
-# last row, halving-doubling against the ring, sums all-reduces and uses no ready time.
-ROW_PRESETS = [("resnet50", "V100"), ("bert_large", "V100")] * 3 + [("resnet50", "P100")]
-
-
-def with_shapes(shapes: Sequence[Shape]) -> dict:
-    """The comparisons made again with measured shapes, and how each measurement differs
-    from the assumed split: forward's share, and each gradient's ready time as a
-    fraction of backward against the FLOP count's."""
-    from profiling.simulate import presets
-
-    measured = []
-    for shape in shapes:
-        gpus = [
-            g
-            for (m, g), c in presets.COMPUTE.items()
-            if m == shape.model and c.batch == shape.batch
-        ]
-        if not gpus:
-            known = ", ".join(f"{m} at batch {c.batch}" for (m, _), c in presets.COMPUTE.items())
-            raise SystemExit(
-                f"--shape: {shape.model} at batch {shape.batch} matches no preset ({known})"
-            )
-        assumed = presets.workload(shape.model, gpus[0])
-        gaps = [
-            abs(shape.ready_fraction(g.name) - g.ready_s / assumed.backward_s)
-            for g in assumed.grads
-        ]
-        measured.append(
-            {
-                "model": shape.model,
-                "batch": shape.batch,
-                "device": shape.device,
-                "step_s": shape.forward_s + shape.backward_s + shape.optimizer_s,
-                "forward_fraction": shape.forward_fraction,
-                "ready_gap_median": statistics.median(gaps),
-                "ready_gap_max": max(gaps),
-            }
-        )
-    return {"shapes": measured, "comparison": compare(shapes)}
 
 
 def li_scaling(models: dict, topo) -> dict:
@@ -323,12 +284,12 @@ def markdown(result: dict) -> dict[str, str]:
 
     made = produced_by([result["command"]]) + "\n\n"
     frag = {}
-    rows = summary_rows(result)
-    frag["summary"] = (
-        made + markdown_table(["figure", "paper", "model", "setting"], rows, left=4) + "\n"
-    )
-    if "measured_shape" in result:
-        frag["shape"] = made + shape_markdown(rows, result["measured_shape"])
+    rows, header = summary_rows(result), ["figure", "paper", "model", "setting"]
+    if "measured_split" in result:  # the model again, split as measured on a GPU
+        again = summary_rows(result["measured_split"])
+        rows = [[*row[:3], new[2], row[3]] for row, new in zip(rows, again, strict=True)]
+        header = ["figure", "paper", "model", "model, split measured", "setting"]
+    frag["summary"] = made + markdown_table(header, rows, left=len(header)) + "\n"
     ls, lo, lb = result["li_scaling"], result["li_overlap"], result["li_buckets"]
     ge, gh = result["goyal_efficiency"], result["goyal_halving_doubling"]
     per_grad = gh["resnet50_per_gradient"]
@@ -336,50 +297,24 @@ def markdown(result: dict) -> dict[str, str]:
     body = []
     for i, p in enumerate(GPUS):
         row = [str(p)]
-        for key in (
-            "resnet50 ring",
-            "resnet50 hierarchical_ring",
-            "bert_large ring",
-            "bert_large hierarchical_ring",
-        ):
+        for key in ("resnet50 ring", "resnet50 hierarchical_ring", "bert_large ring",
+                    "bert_large hierarchical_ring"):  # fmt: skip
             r = ls[key][i]
             row += [f"{r['step_s'] * 1e3:.1f}", f"{r['efficiency']:.3f}"]
         body.append(row)
-    header = [
-        "GPUs",
-        "ResNet-50 ring ms",
-        "E",
-        "ResNet-50 hier. ms",
-        "E",
-        "BERT ring ms",
-        "E",
-        "BERT hier. ms",
-        "E",
-    ]
+    header = ["GPUs", "ResNet-50 ring ms", "E", "ResNet-50 hier. ms", "E", "BERT ring ms",
+              "E", "BERT hier. ms", "E"]  # fmt: skip
     frag["li-scaling"] = made + markdown_table(header, body) + "\n"
 
     body = []
     for name, label in (("resnet50", "ResNet-50"), ("bert_large", "BERT-large")):
         o = lo[name]
         need = o["inter_gbit_for_paper"]
-        body.append(
-            [
-                label,
-                f"{o['after_s'] * 1e3:.1f}",
-                f"{o['overlapped_s'] * 1e3:.1f}",
-                f"{o['speedup']:.1%}",
-                f"{o['paper_speedup']:.0%}",
-                "none" if need is None else f"{need:.1f}",
-            ]
-        )
-    header = [
-        "model",
-        "after backward ms",
-        "overlapped ms",
-        "speed-up (model)",
-        "paper",
-        "Gbit/s per server giving the paper's",
-    ]
+        body.append([label, f"{o['after_s'] * 1e3:.1f}", f"{o['overlapped_s'] * 1e3:.1f}",
+                     f"{o['speedup']:.1%}", f"{o['paper_speedup']:.0%}",
+                     "none" if need is None else f"{need:.1f}"])  # fmt: skip
+    header = ["model", "after backward ms", "overlapped ms", "speed-up (model)", "paper",
+              "Gbit/s per server giving the paper's"]  # fmt: skip
     frag["li-overlap"] = made + markdown_table(header, body) + "\n"
 
     labels = list(dict.fromkeys(r["layout"] for r in lb["resnet50"]["curve"]))
@@ -391,10 +326,8 @@ def markdown(result: dict) -> dict[str, str]:
                 r = next(r for r in lb[name]["curve"] if r["gpus"] == p and r["layout"] == lab)
                 row.append(f"{r['step_s'] * 1e3:.1f}")
         body.append(row)
-    header = [
-        "bucket_cap_mb",
-        *[f"{m} {p} GPUs ms" for m in ("ResNet-50", "BERT") for p in BUCKET_GPUS],
-    ]
+    header = ["bucket_cap_mb", *[f"{m} {p} GPUs ms" for m in ("ResNet-50", "BERT")
+                                 for p in BUCKET_GPUS]]  # fmt: skip
     frag["li-buckets"] = made + markdown_table(header, body) + "\n"
 
     body = []
@@ -404,53 +337,26 @@ def markdown(result: dict) -> dict[str, str]:
             row.append(f"{ge[algorithm]['per parameter'][i]['efficiency']:.3f}")
             row.append(f"{ge[algorithm]['bucketed_25mb'][i]['efficiency']:.3f}")
         body.append(row)
-    header = [
-        "GPUs",
-        "hier. h-d, per gradient",
-        "25 MB",
-        "hier. ring, per gradient",
-        "25 MB",
-        "flat ring, per gradient",
-        "25 MB",
-    ]
+    header = ["GPUs", "hier. h-d, per gradient", "25 MB", "hier. ring, per gradient", "25 MB",
+              "flat ring, per gradient", "25 MB"]  # fmt: skip
     need = ge["inter_gbit_for_paper"]
-    frag["goyal-efficiency"] = (
-        made
-        + markdown_table(header, body)
-        + (
-            f"\n\nServer bandwidth at which hierarchical halving-doubling, one all-reduce per "
-            f"gradient, would give E(256) = {GOYAL_EFFICIENCY:.0%}: "
-            + ("none from 0.001 Gbit/s up" if need is None else f"{need:.2f} Gbit/s")
-            + ".\n"
-        )
-    )
+    frag["goyal-efficiency"] = made + markdown_table(header, body) + (
+        f"\n\nServer bandwidth at which hierarchical halving-doubling, one all-reduce per "
+        f"gradient, would give E(256) = {GOYAL_EFFICIENCY:.0%}: "
+        + ("none from 0.001 Gbit/s up" if need is None else f"{need:.2f} Gbit/s") + ".\n"
+    )  # fmt: skip
 
-    body = [
-        [
-            _size(s["bytes"]),
-            f"{s['ring_s'] * 1e3:.3f}",
-            f"{s['halving_doubling_s'] * 1e3:.3f}",
-            f"{s['ring_s'] / s['halving_doubling_s']:.2f}×",
-        ]
-        for s in gh["sizes"]
-    ]
-    body.append(
-        [
-            "ResNet-50, one per gradient (161)",
-            f"{per_grad['ring_s'] * 1e3:.1f}",
-            f"{per_grad['halving_doubling_s'] * 1e3:.1f}",
-            f"{per_grad['ring_s'] / per_grad['halving_doubling_s']:.2f}×",
-        ]
-    )
-    frag["goyal-halving-doubling"] = (
-        made
-        + markdown_table(["buffer", "ring ms", "halving-doubling ms", "ring / h-d"], body)
-        + (
-            f"\n\n{GOYAL_SERVERS} servers, one rank each, 50 Gbit/s, "
-            f"{gh['inter_latency_s'] * 1e6:g} us per step. A 4 MiB buffer shows the paper's 3× "
-            f"when a step costs {gh['alpha_for_3x_at_4mib_s'] * 1e6:.0f} us.\n"
-        )
-    )
+    body = [[_size(s["bytes"]), f"{s['ring_s'] * 1e3:.3f}", f"{s['halving_doubling_s'] * 1e3:.3f}",
+             f"{s['ring_s'] / s['halving_doubling_s']:.2f}×"] for s in gh["sizes"]]  # fmt: skip
+    body.append(["ResNet-50, one per gradient (161)", f"{per_grad['ring_s'] * 1e3:.1f}",
+                 f"{per_grad['halving_doubling_s'] * 1e3:.1f}",
+                 f"{per_grad['ring_s'] / per_grad['halving_doubling_s']:.2f}×"])  # fmt: skip
+    header = ["buffer", "ring ms", "halving-doubling ms", "ring / h-d"]
+    frag["goyal-halving-doubling"] = made + markdown_table(header, body) + (
+        f"\n\n{GOYAL_SERVERS} servers, one rank each, 50 Gbit/s, "
+        f"{gh['inter_latency_s'] * 1e6:g} us per step. A 4 MiB buffer shows the paper's 3× "
+        f"when a step costs {gh['alpha_for_3x_at_4mib_s'] * 1e6:.0f} us.\n"
+    )  # fmt: skip
     return frag
 
 
@@ -468,104 +374,29 @@ def summary_rows(result: dict) -> list[list[str]]:
         b = min(mine, key=lambda r: r["step_s"])
         return _layout(b["layout"])
 
+    def curve(name: str) -> str:
+        u = lb[name]["u_shaped"]
+        return "; ".join(f"{p} GPUs: best {best(name, p)}, {'U' if u[str(p)] else 'no U'}"
+                         for p in BUCKET_GPUS)  # fmt: skip
+
+    ring_hd = per_grad["ring_s"] / per_grad["halving_doubling_s"]
+    one = four_mib["ring_s"] / four_mib["halving_doubling_s"]
+    li, after = "Li et al.: ", f"{OVERLAP_GPUS} GPUs, after backward vs during"
     return [
-        [
-            "Li et al.: ResNet-50, 8 → 256 GPUs",
-            "near-linear",
-            f"E(256) = {e256['resnet50 ring']:.3f}",
-            "NCCL ring, 25 MB buckets, batch 112",
-        ],
-        [
-            "Li et al.: BERT-large, 8 → 256 GPUs",
-            "near-linear",
-            f"E(256) = {e256['bert_large ring']:.3f}",
-            "NCCL ring, 25 MB buckets, batch 8",
-        ],
-        [
-            "Li et al.: overlap speed-up, ResNet-50",
-            "38%",
-            f"{lo['resnet50']['speedup']:.1%}",
-            f"{OVERLAP_GPUS} GPUs, after backward vs during",
-        ],
-        [
-            "Li et al.: overlap speed-up, BERT",
-            "35%",
-            f"{lo['bert_large']['speedup']:.1%}",
-            f"{OVERLAP_GPUS} GPUs, after backward vs during",
-        ],
-        [
-            "Li et al.: bucket size, ResNet-50",
-            "U, 25 MB near the bottom",
-            "; ".join(
-                f"{p} GPUs: best {best('resnet50', p)}, "
-                f"{'U' if lb['resnet50']['u_shaped'][str(p)] else 'no U'}"
-                for p in BUCKET_GPUS
-            ),
-            "NCCL ring",
-        ],
-        [
-            "Li et al.: bucket size, BERT",
-            "U, 25 MB near the bottom",
-            "; ".join(
-                f"{p} GPUs: best {best('bert_large', p)}, "
-                f"{'U' if lb['bert_large']['u_shaped'][str(p)] else 'no U'}"
-                for p in BUCKET_GPUS
-            ),
-            "NCCL ring",
-        ],
-        [
-            "Goyal et al.: efficiency 8 → 256 GPUs",
-            "E(256) ≈ 0.9",
-            f"E(256) = {hd:.3f}",
-            "hierarchical, halving-doubling between servers, one all-reduce per gradient",
-        ],
-        [
-            "Goyal et al.: halving-doubling vs ring, 32 servers",
-            "3×",
-            f"{per_grad['ring_s'] / per_grad['halving_doubling_s']:.2f}× (ResNet-50's gradients); "
-            f"{four_mib['ring_s'] / four_mib['halving_doubling_s']:.2f}× (one 4 MiB buffer)",
-            f"{gh['inter_latency_s'] * 1e6:g} us per step",
-        ],
-    ]
-
-
-def shape_markdown(rows: list[list[str]], measured: dict) -> str:
-    """The measured shapes, then the summary rows they change: assumed split beside
-    measured."""
-    from profiling.report import markdown_table
-
-    shapes = measured["shapes"]
-    body = [
-        [
-            s["model"],
-            str(s["batch"]),
-            f"{s['step_s'] * 1e3:.1f}",
-            f"{s['forward_fraction']:.1%}",
-            f"{s['ready_gap_median']:.1%}",
-            f"{s['ready_gap_max']:.1%}",
-        ]
-        for s in shapes
-    ]
-    header = [
-        "model",
-        "batch",
-        "measured step ms",
-        "forward's share (assumed 33.3%)",
-        "ready time vs FLOPs, median gap",
-        "largest gap",
-    ]
-    out = markdown_table(header, body) + "\n\n"
-    have = {(s["model"], s["batch"]) for s in shapes}
-    from profiling.simulate import presets
-
-    again = summary_rows(measured["comparison"])
-    body = [
-        [row[0], row[1], row[2], new[2]]
-        for row, new, (model, gpu) in zip(rows[:-1], again[:-1], ROW_PRESETS, strict=True)
-        if (model, presets.COMPUTE[model, gpu].batch) in have
-    ]
-    header = ["figure", "paper", "model, split assumed", "model, split measured"]
-    return out + markdown_table(header, body, left=4) + "\n"
+        [li + "ResNet-50, 8 → 256 GPUs", "near-linear", f"E(256) = {e256['resnet50 ring']:.3f}",
+         "NCCL ring, 25 MB buckets, batch 112"],
+        [li + "BERT-large, 8 → 256 GPUs", "near-linear", f"E(256) = {e256['bert_large ring']:.3f}",
+         "NCCL ring, 25 MB buckets, batch 8"],
+        [li + "overlap speed-up, ResNet-50", "38%", f"{lo['resnet50']['speedup']:.1%}", after],
+        [li + "overlap speed-up, BERT", "35%", f"{lo['bert_large']['speedup']:.1%}", after],
+        [li + "bucket size, ResNet-50", "U, 25 MB near the bottom", curve("resnet50"), "NCCL ring"],
+        [li + "bucket size, BERT", "U, 25 MB near the bottom", curve("bert_large"), "NCCL ring"],
+        ["Goyal et al.: efficiency 8 → 256 GPUs", "E(256) ≈ 0.9", f"E(256) = {hd:.3f}",
+         "hierarchical, halving-doubling between servers, one all-reduce per gradient"],
+        ["Goyal et al.: halving-doubling vs ring, 32 servers", "3×",
+         f"{ring_hd:.2f}× (ResNet-50's gradients); {one:.2f}× (one 4 MiB buffer)",
+         f"{gh['inter_latency_s'] * 1e6:g} us per step"],
+    ]  # fmt: skip
 
 
 def _layout(label: str) -> str:
@@ -595,12 +426,8 @@ def plot(result: dict, path) -> None:
     ls, ge = result["li_scaling"], result["goyal_efficiency"]
     for key, label in (("resnet50 ring", "ResNet-50 (Li)"), ("bert_large ring", "BERT-large (Li)")):
         a.plot(GPUS, [r["efficiency"] for r in ls[key]], marker="o", label=label)
-    a.plot(
-        GPUS,
-        [r["efficiency"] for r in ge["hierarchical_halving_doubling"]["per parameter"]],
-        marker="s",
-        label="ResNet-50 (Goyal)",
-    )
+    goyal = ge["hierarchical_halving_doubling"]["per parameter"]
+    a.plot(GPUS, [r["efficiency"] for r in goyal], marker="s", label="ResNet-50 (Goyal)")
     a.axhline(GOYAL_EFFICIENCY, color="0.5", ls="--", lw=0.8)
     a.text(GPUS[0], GOYAL_EFFICIENCY - 0.045, "Goyal et al.: ~90% at 256", color="0.4")
     a.set_xscale("log", base=2)
@@ -615,20 +442,12 @@ def plot(result: dict, path) -> None:
     lo = result["li_overlap"]
     names = [("resnet50", "ResNet-50"), ("bert_large", "BERT-large")]
     xs = range(len(names))
-    b.bar(
-        [x - 0.2 for x in xs],
-        [lo[n]["paper_speedup"] * 100 for n, _ in names],
-        0.4,
-        label="paper",
-        color="0.6",
-    )
-    b.bar(
-        [x + 0.2 for x in xs],
-        [lo[n]["speedup"] * 100 for n, _ in names],
-        0.4,
-        label="model",
-        color="tab:blue",
-    )
+    for dx, key, label, colour in (
+        (-0.2, "paper_speedup", "paper", "0.6"),
+        (0.2, "speedup", "model", "tab:blue"),
+    ):
+        b.bar([x + dx for x in xs], [lo[n][key] * 100 for n, _ in names], 0.4, label=label,
+              color=colour)  # fmt: skip
     b.set_xticks(list(xs), [label for _, label in names])
     b.set_ylabel("speed-up of overlapping, %")
     b.set_title(f"overlap on NCCL, {OVERLAP_GPUS} GPUs")
@@ -644,13 +463,8 @@ def plot(result: dict, path) -> None:
     for name, label in names:
         mine = {r["layout"]: r["step_s"] for r in lb[name]["curve"] if r["gpus"] == 32}
         low = min(mine.values())
-        c.plot(
-            [x[lab] for lab in labels],
-            [mine[lab] / low for lab in labels],
-            marker="o",
-            ms=3,
-            label=label,
-        )
+        c.plot([x[lab] for lab in labels], [mine[lab] / low for lab in labels], marker="o",
+               ms=3, label=label)  # fmt: skip
     c.axvline(25, color="0.5", ls="--", lw=0.8)
     c.set_xscale("log")
     c.set_xticks(*cap_ticks(caps, x["per parameter"], x["one bucket"]))
@@ -663,19 +477,11 @@ def plot(result: dict, path) -> None:
 
     gh = result["goyal_halving_doubling"]
     sizes = [s["bytes"] for s in gh["sizes"]]
-    d.plot(
-        sizes,
-        [s["ring_s"] / s["halving_doubling_s"] for s in gh["sizes"]],
-        marker="o",
-        label="one buffer",
-    )
+    d.plot(sizes, [s["ring_s"] / s["halving_doubling_s"] for s in gh["sizes"]], marker="o",
+           label="one buffer")  # fmt: skip
     per = gh["resnet50_per_gradient"]
-    d.axhline(
-        per["ring_s"] / per["halving_doubling_s"],
-        color="tab:orange",
-        lw=1,
-        label="ResNet-50, one per gradient",
-    )
+    d.axhline(per["ring_s"] / per["halving_doubling_s"], color="tab:orange", lw=1,
+              label="ResNet-50, one per gradient")  # fmt: skip
     d.axhline(GOYAL_SPEEDUP, color="0.5", ls="--", lw=0.8, label="Goyal et al.: 3×")
     d.set_xscale("log", base=2)
     d.set_xticks(sizes, [_size(s).replace(" ", "") for s in sizes])

@@ -1,57 +1,60 @@
-"""Published numbers the scaling model starts from: the gradients of ResNet-50 and
-BERT-large, what one training iteration of each takes on one GPU, and the two papers'
-clusters. Each number says where it comes from; the ones no source here gives are
-marked ASSUMED, with the reason.
+"""Published numbers the scaling model starts from: ResNet-50 and BERT-large, and what one
+training iteration of each takes on one GPU. Each number says where it comes from; the
+ones no source here gives are marked ASSUMED, with the reason.
 
-A model is a list of `Layer`s in forward order: the parameters each holds and the
-floating-point operations its forward pass does per sample. A `Workload` for
-`schedule.simulate` follows from it and one measured iteration time:
-
-- the iteration splits into optimizer (the bytes its update reads and writes, at the
-  GPU's memory bandwidth), forward (a third of the rest) and backward (two thirds):
-  backward computes two products per forward product, the gradient with respect to
-  the input and to the weights (ASSUMED: the usual FLOP count, not a measurement);
-- backward runs the layers in reverse and frees a layer's gradients when it is done
-  with it; each layer takes a share of backward in proportion to its forward FLOPs.
-  So a gradient is ready at backward_s x (FLOPs of the layers from the last up to and
-  including its own) / (all FLOPs). Only convolutions and matrix products are
-  counted: BatchNorm, LayerNorm, activations, pooling and softmax are memory-bound
-  and cost time the FLOP count does not see, so the ready times are approximate.
+A preset is a model built on the meta device (its gradients' sizes, no memory), the
+input a sample has, and a published iteration time at a published batch. The
+`Workload` for `schedule.simulate` follows as for any model (`usermodel`): the
+optimizer's share is its memory traffic at the GPU's memory bandwidth; forward and
+backward split the rest by their FLOPs, and each gradient is ready when backward has
+done the FLOPs it had done when the gradient's hook fired (`usermodel.flops_profile`).
+Only matrix products and convolutions count: BatchNorm, LayerNorm, activations,
+pooling and softmax are memory-bound and cost time the FLOP count does not see, so the
+ready times are approximate (`python -m profiling.simulate shape --compare` measures
+how far, against a GPU). A backward measured on a GPU (`shape`) replaces the split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-from profiling.simulate.schedule import Grad, Workload
-from profiling.simulate.shape import Shape
-from profiling.simulate.topology import GB, GBIT, Topology
+from profiling.simulate.topology import GB
+
+if TYPE_CHECKING:
+    from profiling.simulate.schedule import Workload
+    from profiling.simulate.shape import Shape
+    from profiling.simulate.usermodel import Profile
 
 FLOAT32_BYTES = 4  # both papers' gradients: float32 (DDP all-reduces the .grad dtype)
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One operation in forward order: the parameters it holds (name, elements), and
-    its forward FLOPs per sample (a multiply-add is two)."""
-
-    name: str
-    params: tuple[tuple[str, int], ...]
-    flops: float
 
 
 # ---------------------------------------------------------------------------------------
 # ResNet-50: torchvision's definition (v1.5: the stride on the 3x3 convolution), written
 # in plain torch because torchvision's wheels on the package index are CUDA builds. The
 # parameter names are torchvision's; tests/test_simulate_presets.py checks the count
-# against torchvision's documented 25,557,032 and the FLOPs against its 4.09 GFLOPS
-# (torchvision's model table counts multiply-adds, as "GFLOPS").
+# against torchvision's documented 25,557,032 and the FLOP counter's against its 4.09
+# GFLOPS (torchvision's model table counts multiply-adds, as "GFLOPS").
 
 
-def resnet50(device: str = "meta"):
-    """torchvision.models.resnet50(), untrained, built on `device` (meta: shapes only)."""
+RESNET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
+
+
+def resnet50_module(device: str | None = None):
+    """ResNet-50 on torch's default device: a factory for `--model`."""
+    return resnet50(device)
+
+
+def resnet101(device: str | None = None):
+    """torchvision.models.resnet101(), untrained, built on `device` (by default, torch's
+    default device: a factory for `--model profiling.simulate.presets:resnet101`)."""
+    return resnet50(device, depth=101)
+
+
+def resnet50(device: str | None = "meta", depth: int = 50):
+    """torchvision.models.resnet50() (or resnet101, resnet152 by `depth`), untrained,
+    built on `device` (meta: shapes only; None: torch's default device)."""
     import torch
     from torch import nn
 
@@ -87,8 +90,9 @@ def resnet50(device: str = "meta"):
             self.relu = nn.ReLU()
             self.maxpool = nn.MaxPool2d(3, 2, 1)
             cin = 64
+            widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
             for i, (width, blocks, stride) in enumerate(
-                [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], start=1
+                zip(widths, RESNET_BLOCKS[depth], strides, strict=True), start=1
             ):
                 layer = []
                 for b in range(blocks):
@@ -103,39 +107,10 @@ def resnet50(device: str = "meta"):
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
             return self.fc(torch.flatten(self.avgpool(x), 1))
 
+    if device is None:
+        return ResNet50()
     with torch.device(device):
         return ResNet50()
-
-
-@cache  # a tuple of frozen layers: each caller gets the same, none can change it
-def resnet50_layers(image_size: int = 224) -> tuple[Layer, ...]:
-    """ResNet-50's parameter-holding modules in the order forward runs them, with their
-    FLOPs for one image: found by running forward on a meta tensor (shapes, no data)."""
-    import torch
-    from torch import nn
-
-    model = resnet50()
-    layers: list[Layer] = []
-
-    def record(module, inputs, output):
-        if isinstance(module, nn.Conv2d):
-            k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels
-            flops = 2 * k // module.groups * output.shape[1:].numel()
-        elif isinstance(module, nn.Linear):
-            flops = 2 * module.in_features * module.out_features
-        else:  # BatchNorm: memory-bound, left out (see the module's docstring)
-            flops = 0
-        name = names[module]
-        params = tuple((f"{name}.{p}", t.numel()) for p, t in module.named_parameters())
-        layers.append(Layer(name, params, float(flops)))
-
-    names = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
-            names[module] = name
-            module.register_forward_hook(record)
-    model(torch.empty(1, 3, image_size, image_size, device="meta"))
-    return tuple(layers)
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,51 +133,7 @@ class BertConfig:
     seq_len: int = 128  # the sequence length of the timing below (phase 1 of pre-training)
 
 
-@cache
-def bert_large_layers(cfg: BertConfig = BertConfig()) -> tuple[Layer, ...]:
-    """BERT-large for pre-training, in forward order, FLOPs for one sequence."""
-    h, s = cfg.hidden, cfg.seq_len
-
-    def linear(name: str, d_in: int, d_out: int, tokens: int = s) -> Layer:
-        return Layer(name, ((f"{name}.weight", d_out * d_in), (f"{name}.bias", d_out)),
-                     2.0 * d_in * d_out * tokens)  # fmt: skip
-
-    def norm(name: str) -> Layer:
-        return Layer(name, ((f"{name}.weight", h), (f"{name}.bias", h)), 0.0)
-
-    e = "bert.embeddings"
-    layers = [
-        Layer(f"{e}.word_embeddings", ((f"{e}.word_embeddings.weight", cfg.vocab * h),), 0.0),
-        Layer(f"{e}.position_embeddings", ((f"{e}.position_embeddings.weight", cfg.positions * h),), 0.0),  # noqa: E501
-        Layer(f"{e}.token_type_embeddings", ((f"{e}.token_type_embeddings.weight", cfg.token_types * h),), 0.0),  # noqa: E501
-        norm(f"{e}.LayerNorm"),
-    ]  # fmt: skip
-    for i in range(cfg.layers):
-        a = f"bert.encoder.layer.{i}"
-        layers += [linear(f"{a}.attention.self.{qkv}", h, h) for qkv in ("query", "key", "value")]
-        # Scores Q K^T and their use on V: 2 x (s x s x h) multiply-adds, no parameters.
-        layers.append(Layer(f"{a}.attention.scores", (), 2.0 * 2 * s * s * h))
-        layers += [
-            linear(f"{a}.attention.output.dense", h, h),
-            norm(f"{a}.attention.output.LayerNorm"),
-            linear(f"{a}.intermediate.dense", h, cfg.ffn),
-            linear(f"{a}.output.dense", cfg.ffn, h),
-            norm(f"{a}.output.LayerNorm"),
-        ]
-    layers.append(linear("bert.pooler.dense", h, h, tokens=1))  # the [CLS] token only
-    p = "cls.predictions"
-    layers += [
-        linear(f"{p}.transform.dense", h, h),
-        norm(f"{p}.transform.LayerNorm"),
-        # The decoder: the word embedding's weight again (tied: one gradient, counted
-        # once, above) and a bias of its own; Hugging Face scores every token.
-        Layer(f"{p}.decoder", ((f"{p}.bias", cfg.vocab),), 2.0 * h * cfg.vocab * s),
-        linear("cls.seq_relationship", h, 2, tokens=1),
-    ]
-    return tuple(layers)
-
-
-def bert_large(cfg: BertConfig = BertConfig(), device: str = "meta"):
+def bert_large(cfg: BertConfig = BertConfig(), device: str | None = "meta"):
     """BERT-large for pre-training as a module, untrained, on `device`: the layers above
     with Hugging Face's `BertForPreTraining` parameter names, for timing its backward
     (`profiling.simulate.shape`). Dropout 0.1 and GELU as the released configuration;
@@ -244,8 +175,9 @@ def bert_large(cfg: BertConfig = BertConfig(), device: str = "meta"):
             # The decoder's weight is the word embedding's (tied); its bias is its own.
             self.cls.predictions.bias = nn.Parameter(torch.zeros(cfg.vocab))
 
-        def forward(self, ids: torch.Tensor, types: torch.Tensor):
+        def forward(self, ids: torch.Tensor, types: torch.Tensor | None = None):
             e = self.bert.embeddings
+            types = torch.zeros_like(ids) if types is None else types
             positions = torch.arange(ids.shape[1], device=ids.device)
             x = e.word_embeddings(ids) + e.position_embeddings(positions)
             x = F.dropout(e.LayerNorm(x + e.token_type_embeddings(types)), drop, self.training)
@@ -282,15 +214,32 @@ def bert_large(cfg: BertConfig = BertConfig(), device: str = "meta"):
         out = layer.output.dense(F.gelu(layer.intermediate.dense(x)))
         return layer.output.LayerNorm(x + F.dropout(out, drop, layer.training))
 
+    if device is None:
+        return Bert()
     with torch.device(device):
         return Bert()
 
 
-def parameter_count(layers: Sequence[Layer]) -> int:
-    return sum(n for layer in layers for _, n in layer.params)
+def bert_large_module(device: str | None = None):
+    """BERT-large on torch's default device: a factory for
+    `--model profiling.simulate.presets:bert_large_module --input-shape 128`."""
+    return bert_large(BertConfig(), device)
 
 
-MODELS = {"resnet50": resnet50_layers, "bert_large": bert_large_layers}
+# A preset's factory, as `--model MODULE:FACTORY` would name it, and one sample's shape.
+FACTORIES = {
+    "resnet50": ("profiling.simulate.presets:resnet50_module", (3, 224, 224)),
+    "bert_large": ("profiling.simulate.presets:bert_large_module", (BertConfig().seq_len,)),
+}
+MODELS = tuple(FACTORIES)
+
+
+@cache  # frozen: every caller gets the same
+def profile(model: str) -> Profile:
+    """The preset's gradients and backward's shape by FLOPs, on the meta device."""
+    from profiling.simulate import usermodel
+
+    return usermodel.profile(*FACTORIES[model])
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,106 +299,27 @@ COMPUTE = {
 }  # fmt: skip
 
 
-def workload(model: str, gpu: str, shape: Shape | None = None) -> Workload:
-    """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it; with a
-    `shape`, the split measured on a GPU (`workload_from`)."""
+def workload(
+    model: str,
+    gpu: str,
+    shape: Shape | None = None,
+    compute: Compute | None = None,
+    memory_bytes_per_s: float | None = None,
+) -> Workload:
+    """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it: the
+    published `compute` (or the one given), the optimizer at the GPU's memory bandwidth
+    (or the one given), split by FLOPs or, with a `shape` measured on a GPU, as measured."""
+    from profiling.simulate import usermodel
+
     if model not in MODELS:
         raise ValueError(f"no model preset {model!r}; pick one of {', '.join(MODELS)}")
-    if (model, gpu) not in COMPUTE:
+    if compute is None and (model, gpu) not in COMPUTE:
         known = ", ".join(f"{m} on {g}" for m, g in COMPUTE)
-        raise ValueError(f"no published iteration time for {model} on {gpu}; known: {known}")
+        raise ValueError(f"no published iteration time for {model} on the {gpu}; known: {known}")
     if shape is not None and shape.model != model:
         raise ValueError(f"a shape measured on {shape.model} cannot split {model}'s iteration")
-    return workload_from(MODELS[model](), COMPUTE[model, gpu], shape)
-
-
-def workload_from(
-    layers: Sequence[Layer], compute: Compute, shape: Shape | None = None
-) -> Workload:
-    """The split described at the top: optimizer by bytes, forward and backward 1 : 2,
-    each gradient ready when backward is done with its layer. With a `shape` measured
-    on a GPU (`profiling.simulate.shape`), forward and backward split as measured, and
-    each gradient is ready at its measured fraction of backward."""
-    params = parameter_count(layers)
-    optimizer_s = params * compute.optimizer_bytes_per_param / MEMORY_BYTES_PER_S[compute.gpu]
-    rest = compute.iteration_s - optimizer_s
-    if shape is not None:
-        names = {name for layer in layers for name, _ in layer.params}
-        if set(shape.ready_s) != names:
-            unknown = sorted(set(shape.ready_s) ^ names)[:3]
-            raise ValueError(f"the shape's parameters are not the model's: {unknown} differ")
-        forward_s = rest * shape.forward_fraction
-        backward_s = rest - forward_s
-        grads = tuple(
-            Grad(name, n * FLOAT32_BYTES, backward_s * shape.ready_fraction(name))
-            for layer in layers
-            for name, n in layer.params
-        )
-        return Workload(grads, forward_s, backward_s, optimizer_s)
-    forward_s, backward_s = rest / 3, 2 * rest / 3
-    total = sum(layer.flops for layer in layers)
-    ready: dict[str, float] = {}
-    done = 0.0
-    for layer in reversed(layers):
-        done += layer.flops
-        for name, _ in layer.params:
-            ready[name] = backward_s * done / total
-    grads = tuple(
-        Grad(name, n * FLOAT32_BYTES, ready[name]) for layer in layers for name, n in layer.params
-    )
-    return Workload(grads, forward_s, backward_s, optimizer_s)
-
-
-# ---------------------------------------------------------------------------------------
-# The clusters. Bandwidths are line rates, each way; what NCCL gets is less.
-#
-# Latencies: NCCL's own model of them, src/graph/tuning.cc of NCCL 2.7.5 (NVIDIA/nccl
-# commit 01afd20a), ring algorithm, Simple protocol (the one for large buffers): a base
-# latency of 8.4 us per call, 3.4 us per step over NVLink (hwLat NVLINK), 9.6 us per step
-# over the network (hwLat NET). NCCL also multiplies a multi-node ring's latency by 1.9
-# for large buffers ("plateau effect"), and switches to its LL and LL128 protocols and to
-# trees for small ones; the model does neither.
-NCCL_CALL_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 9.6e-6
-
-
-@dataclass(frozen=True)
-class Network:
-    topology: Topology  # one server's worth; the sweep adds servers
-    gpu: str
-    source: str
-
-
-NETWORKS = {
-    # Li et al., "PyTorch Distributed" (VLDB 2020), section 5: 8 Tesla V100 per server,
-    # NVLink inside it, servers joined by a Mellanox ConnectX-4 100 Gbit/s NIC (as the
-    # paper's evaluation section describes its exclusive 32-GPU cluster; ASSUMED: one
-    # such NIC per server, which no text available here confirms). NVLink: V100 SXM2, 6
-    # links of 25 GB/s each way (NVIDIA's data sheet: 300 GB/s in all).
-    "li2020": Network(
-        Topology(
-            nodes=1, gpus_per_node=8,
-            intra_bytes_per_s=150 * GB, inter_bytes_per_s=100 * GBIT,
-            intra_latency_s=NCCL_NVLINK_STEP_S, inter_latency_s=NCCL_NET_STEP_S,
-            call_latency_s=NCCL_CALL_S,
-        ),
-        "V100",
-        "Li et al. 2020 section 5: 8 V100 per server, NVLink; 100 Gbit/s per server "
-        "(one NIC ASSUMED); NCCL 2.7.5 latencies",
-    ),
-    # Goyal et al., "Accurate, Large Minibatch SGD" (arXiv 1706.02677), section 5: Big
-    # Basin servers of 8 Tesla P100 joined by NVLink, each with a Mellanox ConnectX-4 50
-    # Gbit Ethernet card. NVLink: P100 SXM2, 4 links of 20 GB/s each way (data sheet: 160
-    # GB/s in all). Latencies ASSUMED NCCL's: Goyal et al.'s inter-server all-reduce was
-    # their own (Gloo) over Ethernet, whose per-step latency the paper does not give.
-    "goyal2017": Network(
-        Topology(
-            nodes=1, gpus_per_node=8,
-            intra_bytes_per_s=80 * GB, inter_bytes_per_s=50 * GBIT,
-            intra_latency_s=NCCL_NVLINK_STEP_S, inter_latency_s=NCCL_NET_STEP_S,
-            call_latency_s=NCCL_CALL_S,
-        ),
-        "P100",
-        "Goyal et al. 2017 section 5: 8 P100 per server, NVLink; 50 Gbit/s Ethernet per "
-        "server; latencies ASSUMED NCCL 2.7.5's",
-    ),
-}  # fmt: skip
+    compute = compute or COMPUTE[model, gpu]
+    prof = profile(model) if shape is None else shape.profile(profile(model))
+    memory = memory_bytes_per_s or MEMORY_BYTES_PER_S[compute.gpu]
+    optimizer_s = prof.parameters * compute.optimizer_bytes_per_param / memory
+    return usermodel.workload(prof, compute.iteration_s, optimizer_s)

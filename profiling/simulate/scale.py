@@ -1,5 +1,8 @@
 """Scaling efficiency from 8 to 256 GPUs, and the bucket-size curve at each GPU count.
 
+    python -m profiling.simulate scale --model mypackage.models:build \\
+        --input-shape 3,224,224 --batch-size 32 --iteration-ms 180 \\
+        --cluster dgx_a100 --gpus 1,8,16,64,256 --json scaling.json
     python -m profiling.simulate scale --model resnet50 --network li2020
     python -m profiling.simulate scale --model bert_large --network li2020
     python -m profiling.simulate scale --model resnet50 --network goyal2017 \\
@@ -20,14 +23,16 @@ all-reduce costs at least as much on more GPUs, so in this model E never rises w
 
 The bucket-size curve is the step time at each bucket_cap_mb of --bucket-caps (MiB,
 the stages' layout rule), plus one bucket per parameter and a single bucket for all.
-Writes a results JSON, a Markdown fragment for the docs and a figure (paths below).
+Every output begins with the model's and the cluster's numbers, each with its source.
+Writes a results JSON, a Markdown fragment and a figure under runs/simulate/ (or
+--out); --docs refreshes the docs' own; --json FILE writes the JSON there too.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from profiling.simulate.schedule import StageSchedule, Workload, simulate
+from profiling.simulate.schedule import Sharing, StageSchedule, Workload, simulate
 
 DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
 DEFAULT_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]
@@ -35,74 +40,32 @@ PER_PARAMETER, ONE_BUCKET = "per parameter", "one bucket"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import presets, topology
+    from profiling.simulate import clusters, outputs, usermodel
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    parser.add_argument(
-        "--model",
-        choices=list(presets.MODELS),
-        default="resnet50",
-        help="model preset: its gradients and published iteration time",
-    )
-    parser.add_argument(
-        "--network",
-        choices=list(presets.NETWORKS),
-        default="li2020",
-        help="cluster preset: servers, links, latencies and GPU model",
-    )
-    parser.add_argument(
-        "--algorithm",
-        choices=list(topology.ALGORITHMS),
-        default="ring",
-        help="the all-reduce (default: the flat ring, NCCL's for large buffers)",
-    )
-    cluster = parser.add_argument_group("cluster (each overrides the preset's value)")
-    cluster.add_argument("--gpus-per-node", type=int, help="GPUs in one server")
-    cluster.add_argument("--nodes", type=int, help="sweep up to this many servers")
-    cluster.add_argument(
-        "--intra-gbps", type=float, help="GPU link inside a server, Gbit/s each way"
-    )
-    cluster.add_argument(
-        "--inter-gbps", type=float, help="server link to the network, Gbit/s each way"
-    )
-    cluster.add_argument("--intra-latency-us", type=float, help="per step inside a server")
-    cluster.add_argument("--inter-latency-us", type=float, help="per step across servers")
-    cluster.add_argument("--call-latency-us", type=float, help="per collective")
-    parser.add_argument(
-        "--gpus",
-        default=",".join(map(str, DEFAULT_GPUS)),
-        help="GPU counts, comma-separated; the first is the reference",
-    )
-    parser.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=25.0,
-        help="the bucket cap of the efficiency curve (MiB)",
-    )
-    parser.add_argument(
-        "--bucket-caps",
-        default=",".join(map(str, DEFAULT_CAPS_MB)),
-        help="bucket caps of the bucket-size curve (MiB), comma-separated",
-    )
-    parser.add_argument(
-        "--slowdown",
-        type=float,
-        default=0.0,
-        help="backward's slowdown while a collective runs (0: none, as on a "
-        "GPU whose communication has its own engine)",
-    )
-    parser.add_argument(
-        "--after-backward",
-        action="store_true",
-        help="all-reduce after backward (bucketed) instead of during it",
-    )
-    parser.add_argument(
-        "--json", help="results JSON (default docs/results/scale-MODEL-NETWORK.json)"
-    )
-    parser.add_argument("--markdown", help="Markdown fragment (default: the JSON's, .md)")
-    parser.add_argument("--plot", help="figure (default docs/images/scale-MODEL-NETWORK.png)")
-    parser.add_argument("--no-files", action="store_true", help="print only")
+    usermodel.add_arguments(parser)
+    clusters.add_arguments(parser, default="li2020")
+    add = parser.add_argument
+    # fmt: off
+    add("--nodes", type=int, help="sweep up to this many servers (drops larger --gpus)")
+    add("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
+        help="GPU counts, comma-separated; the first is the reference, 1 for efficiency "
+        "against one GPU (default: %(default)s)")
+    add("--bucket-cap-mb", type=float, default=25.0,
+        help="the bucket cap of the efficiency curve, MiB (default: %(default)s)")
+    add("--bucket-caps", default=",".join(map(str, DEFAULT_CAPS_MB)),
+        help="bucket caps of the bucket-size curve, MiB, comma-separated (default: %(default)s)")
+    add("--slowdown", type=float, default=0.0,
+        help="backward's slowdown while a collective runs (default 0: none, as on a GPU "
+        "whose communication has its own engine)")
+    add("--after-backward", action="store_true",
+        help="all-reduce after backward (bucketed) instead of during it")
+    # fmt: on
+    outputs.add_arguments(parser)
+    parser.add_argument("--json", help="write the results JSON here (besides --out's files)")
+    parser.add_argument("--markdown", help="write the Markdown fragment here")
+    parser.add_argument("--plot", help="write the figure here")
 
 
 # --8<-- [start:sweep]
@@ -122,7 +85,8 @@ def layouts(workload: Workload, caps_mb: list[float]) -> dict[str, list[list[int
 def step_seconds(
     workload: Workload, buckets, cost, *, overlap: bool = True, slowdown: float = 0.0
 ) -> float:
-    return simulate(workload, buckets, cost, StageSchedule(overlap=overlap), slowdown).step_s
+    schedule = StageSchedule(overlap=overlap)
+    return simulate(workload, buckets, cost, schedule, Sharing(slowdown)).step_s
 
 
 def sweep(
@@ -159,7 +123,13 @@ def sweep(
             r["step_s"] for r in curve if r["gpus"] == p and r["layout"] == f"{bucket_cap_mb:g}"
         )
         scaling.append(
-            {"gpus": p, "nodes": here.nodes, "step_s": step, "exposed_s": step - workload.compute_s}
+            {
+                "gpus": p,
+                "nodes": here.nodes,
+                "step_s": step,
+                # never below 0: a step equals its compute, to the last bit, or is longer
+                "exposed_s": max(0.0, step - workload.compute_s),
+            }
         )
     for row in scaling:
         row["efficiency"] = scaling[0]["step_s"] / row["step_s"]
@@ -174,25 +144,6 @@ def _curve_labels(caps_mb: list[float]) -> list[str]:
     return [PER_PARAMETER, *(f"{c:g}" for c in caps_mb), ONE_BUCKET]
 
 
-def topology_from_args(args: argparse.Namespace):
-    """The preset's cluster with every flag given replacing its value."""
-    from dataclasses import replace
-
-    from profiling.simulate import presets
-    from profiling.simulate.topology import GBIT
-
-    topo = presets.NETWORKS[args.network].topology
-    changes = {
-        "gpus_per_node": args.gpus_per_node,
-        "intra_bytes_per_s": args.intra_gbps and args.intra_gbps * GBIT,
-        "inter_bytes_per_s": args.inter_gbps and args.inter_gbps * GBIT,
-        "intra_latency_s": None if args.intra_latency_us is None else args.intra_latency_us * 1e-6,
-        "inter_latency_s": None if args.inter_latency_us is None else args.inter_latency_us * 1e-6,
-        "call_latency_s": None if args.call_latency_us is None else args.call_latency_us * 1e-6,
-    }
-    return replace(topo, **{k: v for k, v in changes.items() if v is not None})
-
-
 def _numbers(text: str, name: str, kind=float) -> list:
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
@@ -202,53 +153,57 @@ def _numbers(text: str, name: str, kind=float) -> list:
 
 def run(args: argparse.Namespace) -> None:
     from profiling import report
-    from profiling.simulate import presets
+    from profiling.simulate import clusters, outputs, usermodel
 
-    network = presets.NETWORKS[args.network]
-    topo = topology_from_args(args)
     gpus = _numbers(args.gpus, "gpus", int)
-    if args.nodes:
-        gpus = [p for p in gpus if p <= args.nodes * topo.gpus_per_node]
     caps = _numbers(args.bucket_caps, "bucket-caps")
     try:
+        cluster, custom = clusters.from_args(args)
+        topo = cluster.topology
+        if args.nodes:
+            gpus = [p for p in gpus if p <= args.nodes * topo.gpus_per_node]
+        if not gpus or min(gpus) < 1:
+            raise ValueError(f"--gpus {args.gpus}: give GPU counts of at least 1")
         for p in gpus:
             topo.with_gpus(p)
-        workload = presets.workload(args.model, network.gpu)
+        if not args.bucket_cap_mb > 0 or any(c <= 0 for c in caps):
+            raise ValueError("--bucket-cap-mb and --bucket-caps must be > 0")
+        workload, model_lines, model_settings = usermodel.from_args(
+            args, cluster.gpu, cluster.memory_bytes_per_s
+        )
     except ValueError as error:
         raise SystemExit(f"scale: {error}") from None
     overlap = not args.after_backward
     result = sweep(
-        workload,
-        topo,
-        args.algorithm,
-        gpus,
-        args.bucket_cap_mb,
-        caps,
-        overlap=overlap,
-        slowdown=args.slowdown,
-    )
-    custom = topo != network.topology
+        workload, topo, args.algorithm, gpus, args.bucket_cap_mb, caps,
+        overlap=overlap, slowdown=args.slowdown,
+    )  # fmt: skip
+    name = args.cluster + (" (modified)" if custom else "")
     result["settings"] = {
         "command": report.command_line("profiling.simulate"),
-        "model": args.model,
-        "network": args.network + (" (modified)" if custom else ""),
-        "network_source": network.source,
-        "compute_source": presets.COMPUTE[args.model, network.gpu].source,
-        "batch_per_gpu": presets.COMPUTE[args.model, network.gpu].batch,
+        **model_settings,
+        "network": name,
+        "sources": cluster.sources,
         "algorithm": args.algorithm,
         "bucket_cap_mb": args.bucket_cap_mb,
         "overlap": overlap,
         "slowdown": args.slowdown,
         "topology": _topology_dict(topo),
         "workload": _workload_dict(workload),
+        "assumptions": model_lines + clusters.describe(cluster, name, args.algorithm),
     }
     print(summary(result))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
     if args.no_files:
         return
-    stem = f"scale-{args.model}-{args.network}" + ("-custom" if custom else "")
-    json_path = args.json or f"docs/results/{stem}.json"
-    md_path = args.markdown or json_path.removesuffix(".json") + ".md"
-    plot_path = args.plot or f"docs/images/{stem}.png"
+    model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
+    stem = f"scale-{model}-{args.cluster}" + ("-custom" if custom else "")
+    results, images = outputs.folders(args)
+    json_path = results / f"{stem}.json"
+    md_path = args.markdown or results / f"{stem}.md"
+    plot_path = args.plot or images / f"{stem}.png"
     report.write_json(json_path, result)
     with open(md_path, "w") as f:
         f.write(markdown(result))
@@ -279,6 +234,8 @@ def _workload_dict(w: Workload) -> dict:
 def summary(result: dict) -> str:
     s = result["settings"]
     lines = [
+        *s.get("assumptions", []),
+        "",
         f"{s['model']} on {s['network']}, {s['algorithm']}, "
         f"{'overlapped' if s['overlap'] else 'after backward'}, "
         f"bucket_cap_mb {s['bucket_cap_mb']:g}, batch {s['batch_per_gpu']} per GPU",
@@ -311,32 +268,16 @@ def _layout_label(layout: str) -> str:
 def markdown(result: dict) -> str:
     from profiling.report import markdown_table, produced_by
 
-    s, t, w = result["settings"], result["settings"]["topology"], result["settings"]["workload"]
-    out = [produced_by([s["command"]]), ""]
+    s = result["settings"]
+    out = [produced_by([s["command"]]), "", "```text", *s["assumptions"], "```", ""]
     out.append(
-        f"{s['model']}: {w['gradients']} gradients, {w['gradient_bytes'] / 2**20:.1f} MiB; "
-        f"forward {w['forward_s'] * 1e3:.1f} ms, backward {w['backward_s'] * 1e3:.1f} ms, "
-        f"optimizer {w['optimizer_s'] * 1e3:.1f} ms on one GPU, batch {s['batch_per_gpu']} "
-        f"({s['compute_source']}). Cluster {s['network']}: {t['gpus_per_node']} GPUs per "
-        f"server, {t['intra_bytes_per_s'] / 1e9:g} GB/s inside, "
-        f"{t['inter_bytes_per_s'] * 8 / 1e9:g} Gbit/s per server, latency "
-        f"{t['intra_latency_s'] * 1e6:g} / {t['inter_latency_s'] * 1e6:g} us per step inside / "
-        f"across, {t['call_latency_s'] * 1e6:g} us per call ({s['network_source']}). "
-        f"All-reduce: {s['algorithm']}; buckets "
-        f"{'launched during backward' if s['overlap'] else 'all-reduced after backward'}; "
-        f"slowdown {s['slowdown']:g}."
+        f"Buckets {'launched during backward' if s['overlap'] else 'all-reduced after backward'};"
+        f" backward's slowdown while a collective runs: {s['slowdown']:g}."
     )
     out += ["", f"**Scaling efficiency, bucket_cap_mb {s['bucket_cap_mb']:g}**", ""]
-    body = [
-        [
-            str(r["gpus"]),
-            str(r["nodes"]),
-            f"{r['step_s'] * 1e3:.1f}",
-            f"{r['exposed_s'] * 1e3:.1f}",
-            f"{r['efficiency']:.3f}",
-        ]
-        for r in result["scaling"]
-    ]
+    body = [[str(r["gpus"]), str(r["nodes"]), f"{r['step_s'] * 1e3:.1f}",
+             f"{r['exposed_s'] * 1e3:.1f}", f"{r['efficiency']:.3f}"]
+            for r in result["scaling"]]  # fmt: skip
     out.append(markdown_table(["GPUs", "servers", "step ms", "exposed comm ms", "E(p)"], body))
     out += [
         "",
@@ -390,14 +331,8 @@ def plot(result: dict, path: str) -> None:
     colors = plt.cm.viridis([i / max(1, len(gpus) - 1) for i in range(len(gpus))])
     for p, color in zip(gpus, colors, strict=True):
         mine = {r["layout"]: r["step_s"] * 1e3 for r in result["bucket_curve"] if r["gpus"] == p}
-        right.plot(
-            [x[lab] for lab in labels],
-            [mine[lab] for lab in labels],
-            marker="o",
-            ms=3,
-            color=color,
-            label=f"{p}",
-        )
+        right.plot([x[lab] for lab in labels], [mine[lab] for lab in labels], marker="o",
+                   ms=3, color=color, label=f"{p}")  # fmt: skip
     right.set_xscale("log")
     right.set_xticks(*cap_ticks(caps, x[PER_PARAMETER], x[ONE_BUCKET]))
     right.minorticks_off()

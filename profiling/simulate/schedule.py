@@ -8,47 +8,22 @@ It knows nothing of torch. What it is given:
   backward and optimizer times, all measured on one process with no communication;
 - a collective cost: bytes -> `Cost(latency_s, wire_s)`, the part of an all-reduce no
   other collective slows (message rounds, reduction) and the part that holds the link;
-- `slowdown`: how much longer backward's compute takes while communication runs on the
-  same cores (0.3: 30% longer). On a laptop's two cores it is large; on a GPU, whose
-  communication runs on its own engine and NIC, it is small;
-- `comm_slowdown`: the other way round, how much longer communication takes while
-  backward computes on the same cores. Over a virtual network the kernel's TCP and
-  Gloo's threads move every byte on the CPU, so the link is only as fast as the cores
-  left to it.
-- `latency_slowdown`, `comm_latency_slowdown`: the same two while a collective is in
-  its latency rather than on the wire. A large all-reduce mostly waits for the link, a
-  small one for the cores (each message round wakes a thread), so the two share the
-  cores differently; not given, they are `slowdown` and `comm_slowdown`.
-
-What a stage does with them (`StageSchedule`):
-
-- `after_backward` (naive, bucketed): backward runs alone, then one blocking collective
-  per gradient (naive) or per bucket (bucketed), one after the other;
-- overlapped (overlapped, skip_sync, drop_in): a bucket is launched once all its
-  gradients are ready and every earlier bucket was launched (buckets go out in bucket
-  order on every rank), into a queue served one collective at a time; backward goes on
-  at 1 / (1 + slowdown) of its speed while a collective is on the wire (1 / (1 +
-  latency_slowdown) while one is in its latency), and a collective at 1 / (1 +
-  comm_slowdown) of its speed on the wire (1 / (1 + comm_latency_slowdown) in its
-  latency) while backward runs. The step waits for the last collective, then runs the
-  optimizer;
-- `busy_launch_s`: a collective launched while another is in flight or waiting pays
-  this much more latency (measured: on two shared cores, small all-reduces launched all
-  at once can cost more per call than the same issued one after the other);
-- `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
-  and collectives in their wire phase at the same time share the link equally;
-- `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward with
-  no communication, then one synchronised;
-- `copy_in_s_per_byte`, `copy_out_s_per_byte`: the stage's own passes over a gradient,
-  on the compute lane: into its bucket (divided by the world size) before the
-  all-reduce, and the average back out after it. After backward (bucketed), each
-  bucket's copy in, all-reduce and copy out follow one another; overlapped, the copy in
-  runs in backward's hook, so each gradient is ready that much later, and the copies
-  out run after backward, bucket by bucket, each once its all-reduce has ended;
-- `own_s_per_grad`: the rest of what the stage's step takes beyond the compute with no
-  communication at all (its hooks' and bookkeeping's Python), per gradient, on the
-  compute lane: overlapped, in backward's hook, like the copy in; after backward, all
-  of it at once, before the first collective.
+- the stage's `StageSchedule`:
+    - `overlap=False` (naive, bucketed): backward runs alone, then one blocking
+      collective per gradient (naive) or per bucket (bucketed), one after the other;
+    - `overlap=True` (overlapped, skip_sync, drop_in): a bucket is launched once all
+      its gradients are ready and every earlier bucket was launched (buckets go out in
+      bucket order on every rank), into a queue served one collective at a time; the
+      step waits for the last collective, then runs the optimizer;
+    - `lanes` > 1 (round_robin): bucket i goes to lane i mod lanes; lanes run at once,
+      and collectives in their wire phase at the same time share the link equally;
+    - `accumulation_steps` k (no_sync): k - 1 micro-batches of forward and backward
+      with no communication, then one synchronised;
+- a `Sharing`: how compute and communication slow each other on the hardware, and
+  what the stage does besides its all-reduces. Here only `slowdown`: how much longer
+  backward takes while a collective is in flight (0.3: 30% longer; on a GPU its
+  kernels share the SMs). The virtual CPU cluster's calibration extends it
+  (`profiling.simulate_cpu.sharing`) with what two shared cores add.
 
 Everything is in seconds. The schedule is exact for the model: tests check it against
 schedules worked out by hand.
@@ -58,6 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from ddp.bucket_cuts import LinearCost
 
 
 @dataclass(frozen=True)
@@ -99,8 +76,10 @@ CostModel = Callable[[int], Cost]  # bytes -> the cost of one all-reduce of that
 
 
 def linear_cost(latency_s: float, s_per_byte: float) -> CostModel:
-    """The simplest cost model: a fixed latency, then bytes at one rate."""
-    return lambda nbytes: Cost(latency_s, nbytes * s_per_byte)
+    """The simplest cost model, the automatic bucket size's (`ddp.bucket_cuts`): a fixed
+    latency, then bytes at one rate on the wire."""
+    line = LinearCost(latency_s, s_per_byte)
+    return lambda nbytes: Cost(line.latency_s, line.wire_s(nbytes))
 
 
 @dataclass(frozen=True)
@@ -137,15 +116,49 @@ class StageSchedule:
     overlap: bool  # launch buckets during backward (overlapped and later) or after it
     lanes: int = 1  # round-robin process groups
     accumulation_steps: int = 1  # micro-batches per step, all but the last under no_sync
-    # Extra latency of a collective launched while another is in flight or waiting: on
-    # two shared cores, Gloo's second worker thread takes it up at once, and a burst of
-    # small all-reduces can cost more per call than the same one after the other.
-    busy_launch_s: float = 0.0
-    # Passes over the gradients the stage makes itself, seconds per byte (0: none).
-    copy_in_s_per_byte: float = 0.0
-    copy_out_s_per_byte: float = 0.0
-    # The stage's own time beyond the compute and its copies, seconds per gradient.
-    own_s_per_grad: float = 0.0
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What the hardware and the stage add to the bare schedule; each method says how.
+    Here: backward `slowdown` times slower while a collective is in flight, nothing
+    else. An extension overrides the methods (`profiling.simulate_cpu.sharing`)."""
+
+    slowdown: float = 0.0  # backward's extra time while a collective is in flight
+
+    def compute_rate(self, on_wire: bool, in_latency: bool) -> float:
+        """Backward's speed (1: alone) while collectives are on the wire or in their
+        latency (message rounds, reduction)."""
+        return 1.0 / (1.0 + self.slowdown) if on_wire or in_latency else 1.0
+
+    def comm_rates(self, computing: bool) -> tuple[float, float]:
+        """A collective's speed on the wire and in its latency (1: alone), while
+        backward computes or not."""
+        return 1.0, 1.0
+
+    def launch_s(self, busy: bool) -> float:
+        """The latency a collective adds, launched while another is in flight or queued."""
+        return 0.0
+
+    def hook_s(self, grad: Grad) -> float:
+        """The stage's own work in a gradient's hook, on the compute lane (overlapped)."""
+        return 0.0
+
+    def after_backward_s(self, workload: Workload) -> float:
+        """The stage's own work after backward, before its first collective (after
+        backward)."""
+        return 0.0
+
+    def copy_in_s(self, nbytes: int) -> float:
+        """A bucket's pass into its buffer before its all-reduce (after backward)."""
+        return 0.0
+
+    def copy_out_s(self, nbytes: int) -> float:
+        """A bucket's pass of its average back out, once its all-reduce has ended."""
+        return 0.0
+
+
+NO_SHARING = Sharing()  # a GPU whose collectives run on their own engine and NIC
 
 
 # --8<-- [start:simulate]
@@ -154,10 +167,7 @@ def simulate(
     buckets: Sequence[Sequence[int]],
     cost: CostModel,
     schedule: StageSchedule,
-    slowdown: float = 0.0,
-    comm_slowdown: float = 0.0,
-    latency_slowdown: float | None = None,
-    comm_latency_slowdown: float | None = None,
+    sharing: Sharing = NO_SHARING,
 ) -> Step:
     """One step of a stage whose buckets (lists of indices into workload.grads, in the
     order they are all-reduced) are `buckets`. Naive is one bucket per gradient, in
@@ -169,30 +179,24 @@ def simulate(
         t = _compute(step, t, "forward", workload.forward_s)
         t = _compute(step, t, "backward", workload.backward_s, note=f" (no_sync {k + 1})")
     t = _compute(step, t, "forward", workload.forward_s)
-    copy_in, copy_out = schedule.copy_in_s_per_byte, schedule.copy_out_s_per_byte
     if schedule.overlap:
-        t = _overlapped_backward(
-            step, t, _in_hooks(workload, copy_in, schedule.own_s_per_grad), buckets, cost,
-            schedule,
-            slowdown, comm_slowdown,
-            slowdown if latency_slowdown is None else latency_slowdown,
-            comm_slowdown if comm_latency_slowdown is None else comm_latency_slowdown,
-        )  # fmt: skip
+        in_hooks = _in_hooks(workload, sharing)
+        t = _overlapped_backward(step, t, in_hooks, buckets, cost, schedule.lanes, sharing)
     else:
         t = _compute(step, t, "backward", workload.backward_s)
-        if schedule.own_s_per_grad:
-            t = _compute(step, t, "stage", len(workload.grads) * schedule.own_s_per_grad)
+        if own_s := sharing.after_backward_s(workload):
+            t = _compute(step, t, "stage", own_s)
         for index, members in enumerate(buckets):  # blocking, one after the other
             nbytes = sum(workload.grads[i].nbytes for i in members)
-            if copy_in:
-                t = _compute(step, t, "copy in", nbytes * copy_in)
+            if copy_s := sharing.copy_in_s(nbytes):
+                t = _compute(step, t, "copy in", copy_s)
             c = cost(nbytes)
             step.segments.append(
                 Segment("comm", _label(workload, members, index), t, t + c.seconds)
             )
             t += c.seconds
-            if copy_out:
-                t = _compute(step, t, "copy out", nbytes * copy_out)
+            if copy_s := sharing.copy_out_s(nbytes):
+                t = _compute(step, t, "copy out", copy_s)
     t = _compute(step, t, "optimizer", workload.optimizer_s)
     step.step_s = t
     return step
@@ -206,17 +210,17 @@ def _compute(step: Step, t: float, label: str, seconds: float, note: str = "") -
     return t + seconds
 
 
-def _in_hooks(workload: Workload, s_per_byte: float, s_per_grad: float = 0.0) -> Workload:
-    """The workload as an overlapped stage's backward sees it when its hook copies each
-    gradient into its bucket (`s_per_byte`) and does its own work (`s_per_grad`): every
-    gradient later by the hooks of all ready by then, its own included, and backward
-    longer by all of them."""
-    if not s_per_byte and not s_per_grad:
+def _in_hooks(workload: Workload, sharing: Sharing) -> Workload:
+    """The workload as an overlapped stage's backward sees it when its hooks work
+    (`Sharing.hook_s`): every gradient later by the hooks of all ready by then, its own
+    included, and backward longer by all of them."""
+    hooks_s = [sharing.hook_s(g) for g in workload.grads]
+    if not any(hooks_s):
         return workload
     order = sorted(range(len(workload.grads)), key=lambda i: workload.grads[i].ready_s)
     later, copied = {}, 0.0
     for i in order:
-        copied += workload.grads[i].nbytes * s_per_byte + s_per_grad
+        copied += hooks_s[i]
         later[i] = copied
     grads = tuple(
         Grad(g.name, g.nbytes, g.ready_s + later[i]) for i, g in enumerate(workload.grads)
@@ -246,17 +250,14 @@ def _overlapped_backward(
     workload: Workload,
     buckets: Sequence[Sequence[int]],
     cost: CostModel,
-    schedule: StageSchedule,
-    slowdown: float,
-    comm_slowdown: float,
-    latency_slowdown: float,
-    comm_latency_slowdown: float,
+    lanes: int,
+    sharing: Sharing,
 ) -> float:
     """Backward with buckets launched as they fill; returns when the last collective
     ends (or backward, if later). An event loop: at each turn, find the next thing to
     happen (a gradient ready, backward's end, a collective's latency or wire done),
     move every clock to it, and act on it."""
-    grads, lanes = workload.grads, schedule.lanes
+    grads = workload.grads
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     pending = [len(members) for members in buckets]  # gradients still to come, per bucket
     by_ready = sorted(range(len(grads)), key=lambda i: grads[i].ready_s)
@@ -279,19 +280,15 @@ def _overlapped_backward(
             if queue and not any(f.lane == lane for f in flying):
                 index = queue.pop(0)
                 c = cost(sum(grads[i].nbytes for i in buckets[index]))
-                latency_s = c.latency_s + (schedule.busy_launch_s if index in busy_launched else 0)
+                latency_s = c.latency_s + sharing.launch_s(index in busy_launched)
                 flying.append(_InFlight(index, lane, t, latency_s, c.wire_s))
         if backward_end is not None and not flying and next_launch == len(buckets):
-            return _copies_out(step, backward_end, ends, workload, buckets, schedule)
-        # Rates: backward slows while anything is in flight, and communication while
-        # backward runs, each by the slowdown of the phase the collective is in (with
-        # two lanes, the larger); wires share the link.
+            return _copies_out(step, backward_end, ends, workload, buckets, sharing)
+        # Rates: backward as the sharing says while anything is in flight, communication
+        # while backward runs; wires share the link.
         on_wire = [f for f in flying if f.latency_left_s <= 0]
-        phases = [slowdown] * bool(on_wire) + [latency_slowdown] * (len(on_wire) < len(flying))
-        compute_rate = 1.0 / (1.0 + max(phases)) if phases else 1.0
-        backward_on = backward_end is None
-        comm_rate = 1.0 / (1.0 + comm_slowdown) if backward_on else 1.0
-        latency_rate = 1.0 / (1.0 + comm_latency_slowdown) if backward_on else 1.0
+        compute_rate = sharing.compute_rate(bool(on_wire), len(on_wire) < len(flying))
+        comm_rate, latency_rate = sharing.comm_rates(backward_end is None)
         wire_rate = comm_rate / len(on_wire) if on_wire else comm_rate
         candidates = []
         if backward_end is None:
@@ -345,7 +342,7 @@ def _copies_out(
     ends: dict[int, float],
     workload: Workload,
     buckets: Sequence[Sequence[int]],
-    schedule: StageSchedule,
+    sharing: Sharing,
 ) -> float:
     """After backward, bucket by bucket in launch order: wait for its all-reduce, then
     copy its average out. Returns when the last copy is done (with no copies: when the
@@ -353,24 +350,6 @@ def _copies_out(
     t = backward_end
     for index, members in enumerate(buckets):
         t = max(t, ends.get(index, t))
-        seconds = sum(workload.grads[i].nbytes for i in members) * schedule.copy_out_s_per_byte
-        if seconds:
+        if seconds := sharing.copy_out_s(sum(workload.grads[i].nbytes for i in members)):
             t = _compute(step, t, "copy out", seconds)
     return t
-
-
-def achievable_bound(
-    workload: Workload, buckets: Sequence[Sequence[int]], cost: CostModel
-) -> float:
-    """The fastest this layout can step: the overlapped schedule with no contention.
-    Tighter than max(compute, forward + comm + optimizer), which lets communication
-    start before any gradient exists."""
-    return simulate(workload, buckets, cost, StageSchedule(overlap=True)).step_s
-
-
-def perfect_overlap_bound(
-    workload: Workload, buckets: Sequence[Sequence[int]], cost: CostModel
-) -> float:
-    """The bound the benchmark tables print: max(compute, forward + comm + optimizer)."""
-    comm = sum(cost(sum(workload.grads[i].nbytes for i in m)).seconds for m in buckets)
-    return max(workload.compute_s, workload.forward_s + comm + workload.optimizer_s)

@@ -1,33 +1,26 @@
-"""The backward's shape on a GPU: when each gradient of a preset model becomes ready.
+"""Backward's shape measured on a GPU: when each gradient of a model becomes ready.
 
     python -m profiling.simulate shape --model resnet50 --batch 112 \\
         --json docs/results/shape-resnet50-b112.json
-    python -m profiling.simulate shape --model bert_large --batch 8 \\
+    python -m profiling.simulate shape --model bert_large --batch 8 --optimizer adam \\
         --json docs/results/shape-bert_large-b8.json
-    python -m profiling.simulate paper --shape docs/results/shape-resnet50-b112.json \\
-        --shape docs/results/shape-bert_large-b8.json
+    python -m profiling.simulate shape --model mypackage.models:build \\
+        --input-shape 3,224,224 --batch 32 --json mine.json
+    python -m profiling.simulate paper --shape docs/results/shape-resnet50-b112.json
+    python -m profiling.simulate shape --compare   # each guess against these, no GPU
 
-The paper presets (`presets.workload_from`) split one published iteration time by
-assumption: forward a third and backward two thirds of what the optimizer leaves, and
-each gradient ready when backward has done the FLOPs of the layers after it. This
-command measures what the assumption guesses, on whatever GPU it runs on: the model
-built for real (`presets.resnet50`, `presets.bert_large`, untrained), a training step
-at the given batch, float32 with TF32 off (the V100 and P100 have no TF32, and TF32
-would shorten the matrix products against everything else), timed with CUDA events:
-
-- forward: the model and the loss (cross-entropy; BERT's two pre-training losses);
-- backward: `loss.backward()`, and each gradient's ready time, an event recorded by a
-  `register_post_accumulate_grad_hook` on the stream backward runs on, so it marks
-  when the GPU has finished the gradient, not when the CPU queued its kernels;
-- optimizer: SGD with momentum (ResNet-50) or Adam (BERT), as the presets cost them.
-
-Each figure is the median over --repeats steps after --warmup. Each step starts on an
-idle GPU (the clock waits for the step before), so forward includes the time the CPU
-takes to launch its first kernels. Without CUDA it runs on
-the CPU with wall clocks, which the tests use on small models; those figures say
-nothing about a GPU. `presets.workload_from(..., shape=...)` then keeps the published
-iteration time and the optimizer's cost, and takes from the measurement the
-forward : backward ratio and each gradient's ready time as a fraction of backward.
+The simulator guesses backward's shape from FLOPs (`usermodel.flops_profile`). This
+command measures it, on whatever GPU it runs on: the model built for real (a preset or
+`MODULE:FACTORY`, untrained), a training step at the given batch, float32 with TF32 off
+(the V100 and P100 have no TF32, and TF32 would shorten the matrix products against
+everything else), timed with CUDA events (`usermodel.measure`): forward with the loss
+(the sum of the model's outputs), backward with each gradient's ready time stamped by
+its accumulate hook on the stream backward runs on, the optimizer's step. Each figure
+is the median over --repeats steps after --warmup. Without CUDA it runs on the CPU with
+wall clocks, which the tests use on small models; those figures say nothing about a GPU.
+`presets.workload(..., shape=...)` keeps the published iteration time and the
+optimizer's cost, and takes from the measurement forward's share and each gradient's
+ready time as a fraction of backward.
 """
 
 from __future__ import annotations
@@ -35,8 +28,10 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-BERT_MASKED = 0.15  # the share of tokens the masked-LM loss scores (Devlin et al.)
+if TYPE_CHECKING:
+    from profiling.simulate.usermodel import Profile
 
 
 @dataclass(frozen=True)
@@ -60,18 +55,43 @@ class Shape:
         """Forward's share of forward and backward together."""
         return self.forward_s / (self.forward_s + self.backward_s)
 
+    def profile(self, model: Profile) -> Profile:
+        """`model`'s profile (its gradients) split as measured."""
+        from dataclasses import replace
+
+        if set(self.ready_s) != set(model.names):
+            unknown = sorted(set(self.ready_s) ^ set(model.names))[:3]
+            raise ValueError(f"the shape's parameters are not the model's: {unknown} differ")
+        fractions = {n: self.ready_fraction(n) for n in model.names}
+        return replace(model, forward_fraction=self.forward_fraction,
+                       ready_fraction=fractions, method="measured")  # fmt: skip
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import presets
+    from profiling.simulate import usermodel
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    parser.add_argument("--model", choices=list(presets.MODELS), default="resnet50")
+    parser.add_argument(
+        "--model", default="resnet50", metavar="PRESET|MODULE:FACTORY",
+        help="a preset or your model (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--input-shape", help="one sample's shape (a preset knows its own)")
     parser.add_argument("--batch", type=int, help="per GPU (default: the V100 preset's)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    parser.add_argument(
+        "--optimizer", choices=list(usermodel.OPTIMIZER_BYTES), default="sgd",
+        help="(default: %(default)s; BERT-large's preset is costed with adam)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed before (default: 5)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (wall clocks)")
     parser.add_argument("--json", help="write the measurement here")
+    parser.add_argument(
+        "--compare", nargs="*", metavar="JSON",
+        help="measure nothing: how far each way of guessing the ready times (`scale "
+        "--ready`) is from these GPU measurements of the presets (default: the docs' own)",
+    )  # fmt: skip
+    parser.add_argument("--markdown", help="with --compare: write the table here")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -80,12 +100,21 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from profiling import report
-    from profiling.simulate import presets
+    from profiling.simulate import presets, usermodel
 
+    if args.compare is not None:
+        return print_comparison(args.compare, args.markdown)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU; pass --device cpu to time on the CPU")
+    preset = args.model in presets.MODELS
+    if not preset and (args.input_shape is None or args.batch is None):
+        raise SystemExit(f"shape: --model {args.model} needs --input-shape and --batch")
     batch = args.batch or presets.COMPUTE[args.model, "V100"].batch
-    shape = measure(args.model, batch, args.device, repeats=args.repeats, warmup=args.warmup)
+    spec, input_shape = presets.FACTORIES[args.model] if preset else (args.model, None)
+    if args.input_shape:
+        input_shape = usermodel.parse_input_shape(args.input_shape)
+    shape = measure(spec, input_shape, batch, args.device, repeats=args.repeats,
+                    warmup=args.warmup, optimizer=args.optimizer, name=args.model)  # fmt: skip
     device_name = (
         torch.cuda.get_device_name(torch.device(args.device))
         if args.device.startswith("cuda")
@@ -97,152 +126,33 @@ def run(args: argparse.Namespace) -> None:
         f"forward is {shape.forward_fraction:.1%} of forward and backward"
     )
     if args.json:
-        data = shape_to_json(shape)
-        data |= {"device_name": device_name, "torch": torch.__version__, "tf32": False}
-        data |= {"repeats": args.repeats, "warmup": args.warmup}
+        data = shape.__dict__ | {"device_name": device_name, "torch": torch.__version__}
+        data |= {"tf32": False, "repeats": args.repeats, "warmup": args.warmup}
         data["command"] = report.command_line("profiling.simulate")
         report.write_json(args.json, data)
         print(f"wrote {args.json}")
 
 
-def measure(
-    model_name: str,
-    batch: int,
-    device: str = "cuda",
-    *,
-    repeats: int = 20,
-    warmup: int = 5,
-    bert_config=None,
-    image_size: int = 224,
-) -> Shape:
-    """Time `repeats` training steps of a preset model (see the module's docstring)."""
+def measure(spec: str, input_shape, batch: int, device: str = "cuda", *, name: str = "",
+            **kwargs) -> Shape:  # fmt: skip
+    """`usermodel.measure` of the model `spec` names, TF32 off, as a `Shape`."""
     import torch
 
-    if repeats < 1 or warmup < 0 or batch < 1:
-        raise ValueError(
-            f"need repeats >= 1, warmup >= 0, batch >= 1; got {repeats}, {warmup}, {batch}"
-        )
-    dev = torch.device(device)
-    flags = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-    )
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    from profiling.simulate import usermodel
+
+    if batch < 1:
+        raise ValueError(f"need batch >= 1, got {batch}")
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.benchmark)  # fmt: skip
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True  # as NVIDIA's training scripts run
     try:
-        return _measure(model_name, batch, dev, repeats, warmup, bert_config, image_size)
+        prof, t = usermodel.measure_spec(spec, input_shape, batch, device, **kwargs)
     finally:  # the process's own settings again
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.benchmark,
-        ) = flags
-
-
-def _measure(model_name, batch, dev, repeats, warmup, bert_config, image_size) -> Shape:
-    import torch
-
-    from ddp.clock import DeviceClock
-    from profiling.simulate import presets
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    if model_name == "resnet50":
-        model = presets.resnet50(str(dev))
-        images = torch.randn(batch, 3, image_size, image_size, generator=gen).to(dev)
-        labels = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
-
-        def loss_of() -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(model(images), labels)
-
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    elif model_name == "bert_large":
-        cfg = bert_config or presets.BertConfig()
-        model = presets.bert_large(cfg, str(dev))
-        shape = (batch, cfg.seq_len)
-        ids = torch.randint(0, cfg.vocab, shape, generator=gen).to(dev)
-        types = (torch.arange(cfg.seq_len) >= cfg.seq_len // 2).long().expand(shape).to(dev)
-        scored = torch.rand(shape, generator=gen) < BERT_MASKED
-        token_labels = torch.where(scored, torch.randint(0, cfg.vocab, shape, generator=gen), -100)
-        token_labels, next_labels = token_labels.to(dev), torch.randint(0, 2, (batch,)).to(dev)
-
-        def loss_of() -> torch.Tensor:
-            scores, next_scores = model(ids, types)
-            masked = torch.nn.functional.cross_entropy(
-                scores.reshape(-1, cfg.vocab), token_labels.reshape(-1), ignore_index=-100
-            )
-            return masked + torch.nn.functional.cross_entropy(next_scores, next_labels)
-
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    else:
-        raise ValueError(f"no model preset {model_name!r}; pick one of {', '.join(presets.MODELS)}")
-    model.train()
-
-    clock = DeviceClock(dev)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    marks: dict[str, object] = {}
-    for name, parameter in named:
-        parameter.register_post_accumulate_grad_hook(
-            lambda _, name=name: marks.update({name: clock.mark()})
-        )
-    steps = []
-    for step in range(warmup + repeats):
-        marks.clear()
-        start = clock.mark()
-        loss = loss_of()
-        backward_start = clock.mark()
-        loss.backward()
-        backward_end = clock.mark()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        end = clock.mark()
-        clock.wait()
-        missing = [n for n, _ in named if n not in marks]
-        if missing:
-            raise RuntimeError(f"parameters {missing[:3]} of {model_name} got no gradient")
-        if step >= warmup:
-            steps.append(
-                (
-                    clock.seconds(start, backward_start),
-                    clock.seconds(backward_start, backward_end),
-                    clock.seconds(backward_end, end),
-                    {n: clock.seconds(backward_start, marks[n]) for n, _ in named},
-                )
-            )
-    return Shape(
-        model=model_name,
-        batch=batch,
-        device=str(dev),
-        forward_s=statistics.median(s[0] for s in steps),
-        backward_s=statistics.median(s[1] for s in steps),
-        optimizer_s=statistics.median(s[2] for s in steps),
-        ready_s={n: statistics.median(s[3][n] for s in steps) for n, _ in named},
-    )
-
-
-def shape_to_json(shape: Shape) -> dict:
-    return {
-        "model": shape.model,
-        "batch": shape.batch,
-        "device": shape.device,
-        "forward_s": shape.forward_s,
-        "backward_s": shape.backward_s,
-        "optimizer_s": shape.optimizer_s,
-        "ready_s": shape.ready_s,
-    }
-
-
-def shape_from_json(data: dict) -> Shape:
-    return Shape(
-        model=data["model"],
-        batch=int(data["batch"]),
-        device=data["device"],
-        forward_s=float(data["forward_s"]),
-        backward_s=float(data["backward_s"]),
-        optimizer_s=float(data["optimizer_s"]),
-        ready_s={k: float(v) for k, v in data["ready_s"].items()},
-    )
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = flags  # fmt: skip
+    ready = {n: f * t.backward_s for n, f in prof.ready_fraction.items()}
+    return Shape(name or spec, batch, device, t.forward_s, t.backward_s, t.optimizer_s, ready)
 
 
 def load(path: str) -> Shape:
@@ -257,8 +167,62 @@ def load(path: str) -> Shape:
     except ValueError:
         raise SystemExit(f"--shape: {path} is not JSON") from None
     try:
-        return shape_from_json(data)
+        return Shape(
+            model=data["model"], batch=int(data["batch"]), device=data["device"],
+            forward_s=float(data["forward_s"]), backward_s=float(data["backward_s"]),
+            optimizer_s=float(data["optimizer_s"]),
+            ready_s={k: float(v) for k, v in data["ready_s"].items()},
+        )  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise SystemExit(
             f"--shape: {path} is not a measurement written by `shape --json` ({error!r})"
         ) from None
+
+
+# ---------------------------------------------------------------------------------------
+# How far each guess of the ready times is from a GPU's measurement.
+
+DOCS_SHAPES = ("shape-resnet50-b112.json", "shape-bert_large-b8.json")
+
+
+def comparison(shapes: list[Shape]) -> list[dict]:
+    """Per measured shape of a preset and per method (`scale --ready`): forward's share,
+    and the gap in ready fraction from the GPU's (median and largest over gradients)."""
+    from profiling.simulate import presets, usermodel
+
+    rows = []
+    for measured in shapes:
+        spec, input_shape = presets.FACTORIES[measured.model]
+        for method in usermodel.READY_METHODS:
+            guess = usermodel.profile(spec, input_shape, method)
+            gaps = [abs(guess.ready_fraction[n] - measured.ready_fraction(n))
+                    for n in measured.ready_s]  # fmt: skip
+            rows.append({
+                "model": measured.model, "batch": measured.batch, "method": method,
+                "forward_fraction": guess.forward_fraction,
+                "gpu_forward_fraction": measured.forward_fraction,
+                "ready_gap_median": statistics.median(gaps), "ready_gap_max": max(gaps),
+            })  # fmt: skip
+    return rows
+
+
+def print_comparison(paths: list[str], markdown_path: str | None) -> None:
+    from pathlib import Path
+
+    from profiling.report import command_line, markdown_table, produced_by
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
+    shapes = [load(p) for p in paths or [str(docs / name) for name in DOCS_SHAPES]]
+    body = [
+        [f"{r['model']} (batch {r['batch']})", f"--ready {r['method']}",
+         f"{r['forward_fraction']:.0%} (GPU {r['gpu_forward_fraction']:.0%})",
+         f"{r['ready_gap_median']:.3f}", f"{r['ready_gap_max']:.3f}"]
+        for r in comparison(shapes)
+    ]  # fmt: skip
+    header = ["model", "ready times by", "forward's share", "gap median", "gap max"]
+    text = produced_by([command_line("profiling.simulate")]) + "\n\n"
+    text += markdown_table(header, body) + "\n"
+    print(text)
+    if markdown_path:
+        Path(markdown_path).write_text(text)
+        print(f"wrote {markdown_path}")

@@ -20,7 +20,7 @@ heap as the benchmark's ranks hold it is the caller's to set, once per process
 (`ddp.heap.steady_heap`): the calibration's worker and the command-line tools do.
 
 Run on its own it sees a whole core. The benchmark's ranks share the machine's cores, so
-the calibration (`calibrate`) runs it on every rank of the cluster at once, each repeat
+the calibration (`worker`) runs it on every rank of the cluster at once, each repeat
 started from a barrier (`before_repeat`), and keeps each repeat of the slowest rank, as
 the benchmark keeps the slowest rank's step (`slowest_workload`).
 """

@@ -1,0 +1,57 @@
+"""Where the simulator's commands write: files the user owns, unless told otherwise.
+
+By default under `runs/simulate/` in the current directory (or `--out DIR`); the docs'
+own tables and figures in the repository only with `--docs`, which finds the docs from
+this file's place in the checkout, whatever the current directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_OUT = Path("runs", "simulate")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("outputs")
+    group.add_argument(
+        "--out", type=Path,
+        help=f"folder for the results (default: {DEFAULT_OUT}/ in the current directory)",
+    )  # fmt: skip
+    group.add_argument(
+        "--docs", action="store_true",
+        help="refresh the docs' own results and figures in this checkout instead",
+    )  # fmt: skip
+    group.add_argument("--no-files", action="store_true", help="print only")
+
+
+def repository_docs() -> Path:
+    """The checkout's docs/ folder; an installed copy has none."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    if not (docs / "results").is_dir():
+        raise SystemExit(f"--docs: no docs/results/ at {docs.parent}; run from a checkout")
+    return docs
+
+
+def folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(results folder, figures folder) the command writes into, created."""
+    if args.docs:
+        docs = repository_docs()
+        results, images = docs / "results", docs / "images"
+    else:
+        results = images = args.out or DEFAULT_OUT
+    results.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
+    return results, images
+
+
+def calibration_path(given: Path | None) -> Path:
+    """A CPU-cluster calibration: the one given, or the docs' own in this checkout."""
+    path = given or Path(__file__).resolve().parents[2] / "docs/results/simulate-validate.json"
+    if not path.is_file():
+        raise SystemExit(
+            f"no calibration file {path}; run `python -m profiling.simulate validate --json "
+            "FILE` and pass --calibration FILE"
+        )
+    return path

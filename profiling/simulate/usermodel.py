@@ -1,0 +1,405 @@
+"""Your model as the simulator sees it: each gradient's bytes, and when backward makes it.
+
+    python -m profiling.simulate scale --model mypackage.models:build \\
+        --input-shape 3,224,224 --batch-size 32 --iteration-ms 180 --cluster dgx_a100
+
+`--model MODULE:FACTORY` names any importable callable that returns an `nn.Module`
+(MODULE is imported as `python -m` would, the current directory first on the path).
+What the step model needs from it (`schedule.Workload`):
+
+- **gradient bytes**: the module built on the meta device (shapes, no memory), one
+  gradient per trainable parameter in parameter order, at `--dtype`'s bytes per
+  element (DDP all-reduces the gradients' own dtype);
+- **when each gradient is ready**, as a fraction of backward, by one of two methods
+  (`--ready`):
+    - `flops` (the default): one forward and backward on the meta device under
+      torch's FLOP counter; a gradient is ready when backward has done the FLOPs it
+      had done when the gradient's accumulate hook fired. Memory-bound operations
+      (norms, activations) count no FLOPs, so they take no time here;
+    - `measured`: the module built for real and trained a few steps (`measure`), each
+      gradient's ready time stamped by the same hook: on this machine's CPU at batch 2,
+      or at --batch-size on a GPU where one is present;
+  forward's share of forward and backward comes from the same method;
+- **the iteration time**: `--iteration-ms`, one GPU's forward, backward and optimizer
+  at `--batch-size`; without it, on a machine with a GPU, measured there (`measure`
+  at --batch-size, CUDA events; the ready times then come from that measurement too).
+  The optimizer's share is its memory traffic at the GPU's memory bandwidth
+  (`--optimizer`: SGD with momentum or Adam, in float32); forward and backward split
+  the rest.
+
+`python -m profiling.simulate shape --compare` shows, on the presets, how far each
+method's ready times are from the ones measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from profiling.simulate.schedule import Grad, Workload
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+READY_METHODS = ("flops", "measured")
+MEASURE_BATCH = 2  # `measured`: small, so a large model fits in this machine's memory
+MEASURE_REPEATS = 3  # timed steps after one untimed
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's gradients and backward's shape, independent of any GPU's speed."""
+
+    names: tuple[str, ...]  # trainable parameters, in parameter order
+    elements: tuple[int, ...]  # each parameter's number of elements
+    forward_fraction: float  # forward's share of forward and backward together
+    ready_fraction: dict[str, float]  # when each gradient is ready, a fraction of backward
+    method: str  # flops or measured
+
+    @property
+    def parameters(self) -> int:
+        return sum(self.elements)
+
+
+def load_factory(spec: str) -> Callable[[], object]:
+    """The callable `MODULE:FACTORY` names; errors say which part is wrong."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"--model {spec!r}: give a preset or MODULE:FACTORY, a callable that returns an "
+            "nn.Module (e.g. mypackage.models:build)"
+        )
+    if os.getcwd() not in sys.path:  # as `python -m` finds modules in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({error})") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {module_name} has no callable {attribute!r}")
+    return factory
+
+
+def build(factory: Callable[[], object], spec: str, device: str = "meta"):
+    """`factory()` under `device` as the default device; on meta it holds no memory."""
+    import torch
+    from torch import nn
+
+    try:
+        with torch.device(device):
+            model = factory()
+    except Exception as error:  # the user's code: any failure is theirs to see
+        raise ValueError(
+            f"--model {spec!r}: building it on the {device} device failed ({error!r}); the "
+            "factory must build the model without loading weights or moving it to a device"
+        ) from None
+    if isinstance(model, nn.Module) and any(
+        p.device.type != torch.device(device).type for p in model.parameters()
+    ):
+        raise ValueError(
+            f"--model {spec!r}: the factory put parameters on another device than the "
+            f"default it was given ({device}); let it build on torch's default device"
+        )
+    if not isinstance(model, nn.Module):
+        kind = type(model).__name__
+        raise ValueError(f"--model {spec!r}: the factory returned {kind}, not an nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"--model {spec!r}: the model has no trainable parameters")
+    return model
+
+
+def parse_input_shape(text: str) -> tuple[int, ...]:
+    """`3,224,224` (a sample's shape, float inputs) or `512` (a sequence length, token ids)."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape):
+        raise ValueError(
+            f"--input-shape {text!r}: give one sample's shape as positive integers, e.g. "
+            "3,224,224, or one number, a token model's sequence length"
+        )
+    return shape
+
+
+def example_input(model, input_shape: Sequence[int], batch: int, device: str):
+    """A batch for `model`: float samples of `input_shape`, or, for one number, token ids
+    of that sequence length below the model's first embedding's vocabulary."""
+    import torch
+    from torch import nn
+
+    if len(input_shape) > 1:
+        return torch.randn(batch, *input_shape, device=device)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise ValueError(
+            f"--input-shape {input_shape[0]}: one number is a token model's sequence length, "
+            "but the model has no nn.Embedding; give a sample's shape, e.g. 3,224,224"
+        )
+    vocab = embeddings[0].num_embeddings
+    return torch.randint(0, vocab, (batch, input_shape[0]), device=device)
+
+
+def _loss(output):
+    """A scalar of every floating-point tensor the model returned (a tensor, a tuple, a
+    dict, a dataclass of outputs), so backward reaches every gradient they depend on."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    if hasattr(output, "to_tuple"):  # Hugging Face's ModelOutput
+        output = output.to_tuple()
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise ValueError("the model's output holds no tensor that depends on its parameters")
+    return sum(t.float().sum() for t in leaves)
+
+
+# --8<-- [start:flops]
+def flops_profile(model, x) -> Profile:
+    """Backward's shape by FLOPs, on the meta device: forward's FLOPs against backward's,
+    and the FLOPs backward had done when each gradient's accumulate hook fired."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    counter = FlopCounterMode(display=False)
+    done_at: dict[str, int] = {}
+
+    def hook(name: str) -> Callable[[object], None]:
+        return lambda _: done_at.setdefault(name, counter.get_total_flops()) and None
+
+    handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in named]
+    try:
+        with counter:
+            loss = _loss(model(x))
+            forward = counter.get_total_flops()
+            loss.backward()
+            total = counter.get_total_flops()
+    finally:
+        for h in handles:
+            h.remove()
+    backward = total - forward
+    if forward <= 0 or backward <= 0:
+        raise ValueError("the model does no matrix products or convolutions the FLOP counter sees")
+    return Profile(
+        names=tuple(n for n, _ in named),
+        elements=tuple(p.numel() for _, p in named),
+        forward_fraction=forward / total,
+        ready_fraction={n: (done_at.get(n, total) - forward) / backward for n, _ in named},
+        method="flops",
+    )
+
+
+# --8<-- [end:flops]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured training step's phases, medians over the timed steps."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    device: str
+
+
+def measure(
+    model, x, device: str, *, repeats: int = MEASURE_REPEATS, warmup: int = 1,
+    optimizer: str = "sgd",
+) -> tuple[Profile, Timing]:  # fmt: skip
+    """Train `repeats` steps after `warmup` untimed ones: forward with the loss, backward,
+    the optimizer's step. Marks by `ddp.clock.DeviceClock` (CUDA events on a GPU, so a
+    gradient's mark is when the GPU finished it); each step starts on an idle device.
+    Medians of forward's share, each gradient's ready fraction and each phase."""
+    import torch
+
+    from ddp.clock import DeviceClock
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    clock = DeviceClock(torch.device(device))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    step_with = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+                 "adam": lambda: torch.optim.Adam(params, lr=1e-4)}[optimizer]()  # fmt: skip
+    marks: dict[str, object] = {}
+
+    def hook(name: str) -> Callable[[object], None]:
+        return lambda _: marks.setdefault(name, clock.mark()) and None
+
+    handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in named]
+    steps = []
+    try:
+        for step in range(warmup + repeats):
+            marks.clear()
+            start = clock.mark()
+            loss = _loss(model(x))
+            backward_start = clock.mark()
+            loss.backward()
+            backward_end = clock.mark()
+            step_with.step()
+            step_with.zero_grad(set_to_none=True)
+            end = clock.mark()
+            clock.wait()
+            if step >= warmup:
+                backward = clock.seconds(backward_start, backward_end)
+                ready = {n: clock.seconds(backward_start, marks.get(n, backward_end)) / backward
+                         for n, _ in named}  # fmt: skip
+                steps.append((clock.seconds(start, backward_start), backward,
+                              clock.seconds(backward_end, end), ready))  # fmt: skip
+    finally:
+        for h in handles:
+            h.remove()
+    forward_s, backward_s, optimizer_s = (statistics.median(s[k] for s in steps) for k in range(3))
+    profile = Profile(
+        names=tuple(n for n, _ in named),
+        elements=tuple(p.numel() for _, p in named),
+        forward_fraction=statistics.median(s[0] / (s[0] + s[1]) for s in steps),
+        ready_fraction={n: min(1.0, statistics.median(s[3][n] for s in steps)) for n, _ in named},
+        method="measured",
+    )
+    return profile, Timing(forward_s, backward_s, optimizer_s, device)
+
+
+def measure_spec(
+    spec: str, input_shape: Sequence[int], batch: int, device: str, **kwargs
+) -> tuple[Profile, Timing]:
+    """`measure` of the model `spec` names, built for real on `device`, seeded."""
+    import torch
+
+    model = build(load_factory(spec), spec, device)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = example_input(model, input_shape, batch, device)
+        return measure(model, x, device, **kwargs)
+
+
+def profile(spec: str, input_shape: Sequence[int], method: str = "flops") -> Profile:
+    """The profile of the model `spec` names, by `method` (see the module's docstring)."""
+    if method not in READY_METHODS:
+        raise ValueError(f"--ready {method!r}: pick one of {', '.join(READY_METHODS)}")
+    factory = load_factory(spec)
+    model = build(factory, spec, "meta")
+    x = example_input(model, input_shape, MEASURE_BATCH, "meta")
+    if method == "flops":
+        return flops_profile(model, x)
+    return measure_spec(spec, input_shape, MEASURE_BATCH, "cpu")[0]
+
+
+def workload(
+    profile: Profile, iteration_s: float, optimizer_s: float, dtype: str = "fp32"
+) -> Workload:
+    """One GPU's iteration of the profiled model: the optimizer's `optimizer_s`, and the
+    rest split between forward and backward, and within backward, as profiled."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"--dtype {dtype!r}: pick one of {', '.join(DTYPE_BYTES)}")
+    if not iteration_s > optimizer_s:
+        raise ValueError(
+            f"--iteration-ms {iteration_s * 1e3:g} is not more than the optimizer's estimated "
+            f"{optimizer_s * 1e3:.2f} ms; give one GPU's whole forward, backward and optimizer"
+        )
+    rest = iteration_s - optimizer_s
+    forward_s = rest * profile.forward_fraction
+    backward_s = rest - forward_s
+    grads = tuple(
+        Grad(name, n * DTYPE_BYTES[dtype], backward_s * profile.ready_fraction[name])
+        for name, n in zip(profile.names, profile.elements, strict=True)
+    )
+    return Workload(grads, forward_s, backward_s, optimizer_s)
+
+
+# ---------------------------------------------------------------------------------------
+# The command line: a preset or your model, and one GPU's iteration.
+
+OPTIMIZER_BYTES = {"sgd": 5 * 4, "adam": 7 * 4}  # float32 bytes per parameter, as presets
+
+
+def add_arguments(parser: argparse.ArgumentParser, default: str | None = "resnet50") -> None:
+    from profiling.simulate import presets
+
+    add = parser.add_argument_group("model (a preset, or yours: MODULE:FACTORY)").add_argument
+    # fmt: off
+    add("--model", default=default, metavar="PRESET|MODULE:FACTORY",
+        help=f"a preset ({', '.join(presets.MODELS)}) or any importable callable that returns "
+        "an nn.Module (default: %(default)s)")
+    add("--input-shape", metavar="C,H,W|SEQ",
+        help="one sample's shape (3,224,224), or a token model's sequence length (512)")
+    add("--batch-size", type=int, help="samples per GPU per iteration")
+    add("--iteration-ms", type=float,
+        help="one GPU's measured forward + backward + optimizer at --batch-size, ms (default: "
+        "a preset's published figure on its GPU; else measured here if a GPU is present)")
+    add("--dtype", choices=list(DTYPE_BYTES), default="fp32",
+        help="the gradients' dtype, which sets their bytes (default: %(default)s)")
+    add("--ready", choices=READY_METHODS, default="flops",
+        help="when each gradient is ready: backward's FLOPs on the meta device, or one "
+        "backward timed on this CPU (default: %(default)s)")
+    add("--optimizer", choices=list(OPTIMIZER_BYTES), default="sgd",
+        help="whose memory traffic sets the optimizer's time (default: %(default)s)")
+    # fmt: on
+
+
+def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
+    """(Workload, lines describing it with their sources, settings for the JSON) of
+    `--model` on one `gpu`."""
+    import torch
+
+    from profiling.simulate import presets
+
+    for flag in ("batch_size", "iteration_ms"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value:g}")
+    preset = args.model in presets.MODELS
+    spec, input_shape = presets.FACTORIES[args.model] if preset else (args.model, None)
+    if args.input_shape is not None:
+        input_shape = parse_input_shape(args.input_shape)
+    published = presets.COMPUTE.get((args.model, gpu)) if preset else None
+    on_gpu = args.iteration_ms is None and published is None and torch.cuda.is_available()
+    uses_published = published is not None and args.iteration_ms is None
+    missing = [f for f, v in (("input_shape", input_shape),
+                              ("batch_size", args.batch_size or uses_published),
+                              ("iteration_ms", args.iteration_ms or published or on_gpu))
+               if not v]  # fmt: skip
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        why = f"no published iteration time for {args.model} on the {gpu}"
+        raise ValueError(f"--model {args.model}: {why if preset else 'your model'} needs {flags}")
+    if on_gpu:  # one GPU's iteration, measured here, and its ready times with it
+        prof, timing = measure_spec(spec, input_shape, args.batch_size, "cuda",
+                                    repeats=10, warmup=3, optimizer=args.optimizer)  # fmt: skip
+        iteration_s = timing.forward_s + timing.backward_s + timing.optimizer_s
+        optimizer_s = timing.optimizer_s
+        name = torch.cuda.get_device_name()
+        batch, source = args.batch_size, f"measured on this machine's {name}, 10 steps"
+        ready = f"measured on this machine's {name}"
+    else:
+        if preset and args.ready == "flops":
+            prof = presets.profile(args.model)
+        else:
+            prof = profile(spec, input_shape, args.ready)
+        iteration_s = published.iteration_s if uses_published else args.iteration_ms * 1e-3
+        batch = published.batch if uses_published else args.batch_size
+        source = published.source if uses_published else "--iteration-ms, --batch-size"
+        optimizer_s = prof.parameters * OPTIMIZER_BYTES[args.optimizer] / memory_bytes_per_s
+        ready = "backward's FLOPs on the meta device"
+        if prof.method == "measured":
+            ready = f"one backward timed on this CPU at batch {MEASURE_BATCH}"
+    w = workload(prof, iteration_s, optimizer_s, args.dtype)
+    lines = [
+        f"model {args.model}: {len(prof.names)} gradients, {prof.parameters:,} parameters, "
+        f"{sum(g.nbytes for g in w.grads) / 2**20:.1f} MiB in {args.dtype}  "
+        f"[{'preset' if preset else 'built on meta'}]",
+        f"  iteration {iteration_s * 1e3:.1f} ms at batch {batch} per GPU  [{source}]",
+        f"  optimizer {optimizer_s * 1e3:.2f} ms  "
+        + (f"[{source}]" if on_gpu else f"[{args.optimizer}: "
+           f"{OPTIMIZER_BYTES[args.optimizer]} B per parameter at the {gpu}'s memory bandwidth]"),
+        f"  forward {w.forward_s * 1e3:.1f} ms, backward {w.backward_s * 1e3:.1f} ms, "
+        f"ready times  [{ready}]",
+    ]  # fmt: skip
+    settings = {"model": args.model, "batch_per_gpu": batch, "ready": ready,
+                "dtype": args.dtype, "iteration_source": source}  # fmt: skip
+    return w, lines, settings
