@@ -96,7 +96,8 @@ def markdown_table(header: list[str], body: list[list[str]], left: int = 1) -> s
 
 
 def write_json(path: str | Path, data: dict) -> None:
-    """`data` as indented JSON, one trailing newline."""
+    """`data` as indented JSON, one trailing newline; the folder made if need be."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 

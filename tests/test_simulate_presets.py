@@ -15,13 +15,13 @@ MiB = 2**20
 def test_resnet50_matches_torchvisions_documented_size():
     # torchvision's model table, ResNet50_Weights.IMAGENET1K_V1: 25,557,032 parameters
     # and 4.09 "GFLOPS" (multiply-adds) at 224 x 224.
-    assert sum(p.numel() for p in presets.resnet50().parameters()) == 25_557_032
+    assert sum(p.numel() for p in presets.resnet50("meta").parameters()) == 25_557_032
     assert presets.profile("resnet50").parameters == 25_557_032
     # torch's FLOP counter on the meta model, one image: multiply-adds.
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        presets.resnet50()(torch.empty(1, 3, 224, 224, device="meta"))
+        presets.resnet50("meta")(torch.empty(1, 3, 224, 224, device="meta"))
     assert counter.get_total_flops() / 2 == pytest.approx(4.09e9, rel=0.005)
 
 
@@ -77,4 +77,4 @@ def test_unknown_presets_are_named():
 
 
 def test_meta_model_holds_no_memory():
-    assert all(p.device == torch.device("meta") for p in presets.resnet50().parameters())
+    assert all(p.device == torch.device("meta") for p in presets.resnet50("meta").parameters())

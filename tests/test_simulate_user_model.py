@@ -95,7 +95,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_each_cluster_flag_replaces_the_presets_value_and_is_its_source():
     args = parse("--cluster", "dgx_h100", "--gpus-per-node", "4", "--intra-gbps", "800",
                  "--inter-gbps", "400", "--intra-latency-us", "2", "--inter-latency-us", "20",
-                 "--call-latency-us", "5")  # fmt: skip
+                 "--call-latency-us", "5", "--memory-gbytes-per-s", "1000")  # fmt: skip
     c, custom = clusters.from_args(args)
     t = c.topology
     assert custom and t.gpus_per_node == 4
@@ -103,10 +103,16 @@ def test_each_cluster_flag_replaces_the_presets_value_and_is_its_source():
     assert (t.intra_latency_s, t.inter_latency_s, t.call_latency_s) == pytest.approx(
         (2e-6, 20e-6, 5e-6)
     )
+    assert c.memory_bytes_per_s == 1000 * GB
     text = "\n".join(clusters.describe(c, "dgx_h100 (modified)", "ring"))
-    for flag in ("--gpus-per-node", "--intra-gbps", "--inter-gbps", "--call-latency-us"):
+    for flag in ("--gpus-per-node", "--intra-gbps", "--inter-gbps", "--call-latency-us",
+                 "--memory-gbytes-per-s"):  # fmt: skip
         assert flag in text
-    assert "H100 SXM data sheet" in text  # the one number no flag replaced
+    assert "100 GB/s (800 Gbit/s) inside a server" in text  # both units, the flag's in Gbit/s
+    assert "NCCL 2.20.3" not in text  # every number replaced, none left from the preset
+    # Not given, the cluster is the preset model's paper's, or a DGX A100 for yours.
+    assert clusters.from_args(parse("--model", "resnet50"))[0].gpu == "V100"
+    assert clusters.from_args(parse("--model", CNN))[0].gpu == "A100"
     preset, custom = clusters.from_args(parse("--network", "dgx_a100"))
     assert not custom and preset.topology.intra_bytes_per_s == 231 * GB
     with pytest.raises(ValueError, match="--inter-gbps must be > 0"):
@@ -116,7 +122,7 @@ def test_each_cluster_flag_replaces_the_presets_value_and_is_its_source():
 def test_every_preset_number_has_a_source():
     for name in clusters.NAMES:
         c = clusters.cluster(name)
-        assert set(c.sources) >= {to for to, _, _ in clusters.FLAGS.values()} | {"gpu"}
+        assert set(c.sources) >= {to for to, _ in clusters.FLAGS.values()}
 
 
 def run_simulate(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
@@ -153,10 +159,11 @@ def test_the_stable_command_from_another_directory(tmp_path):
     head = out.stdout.splitlines()
     assert head[0].startswith(f"model {CNN}: 6 gradients")
     assert "4 GPUs per server  [1]" in out.stdout and "  [1] --gpus-per-node" in out.stdout
+    assert "[NCCL 2.20.3" in out.stdout.replace("] NCCL", "[NCCL")  # the rest: dgx_a100's
     assert sorted(p.name for p in (tmp_path / "runs" / "simulate").iterdir()) == [
-        "scale-tests_fixtures_user_models-small_cnn-li2020-custom.json",
-        "scale-tests_fixtures_user_models-small_cnn-li2020-custom.md",
-        "scale-tests_fixtures_user_models-small_cnn-li2020-custom.png",
+        "scale-tests_fixtures_user_models-small_cnn-dgx_a100-custom.json",
+        "scale-tests_fixtures_user_models-small_cnn-dgx_a100-custom.md",
+        "scale-tests_fixtures_user_models-small_cnn-dgx_a100-custom.png",
     ]
     assert git_status() == before  # the checkout is untouched
 
@@ -174,27 +181,28 @@ def test_a_resnet101_sized_model_runs_in_seconds(tmp_path):
 def test_a_user_model_without_its_iteration_is_refused(tmp_path):
     out = run_simulate(tmp_path, "scale", "--model", CNN, "--no-files")
     assert out.returncode != 0
-    assert "your model needs --input-shape, --batch-size, --iteration-ms" in out.stderr
+    assert f"--model {CNN}: give --input-shape, --batch-size, --iteration-ms" in out.stderr
     out = run_simulate(tmp_path, "scale", "--model", "resnet50", "--cluster", "dgx_a100")
-    assert "no published iteration time for resnet50 on the A100" in out.stderr
+    assert "no published iteration of resnet50 on the A100 here; give --batch-size" in out.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_buckets_and_gantt_on_a_user_model(tmp_path):
-    common = ("--model", CNN, "--input-shape", "3,32,32", "--batch-size", "8",
-              "--iteration-ms", "10", "--cluster", "cloud_100gbe")  # fmt: skip
-    out = run_simulate(tmp_path, "buckets", *common, "--gpus", "8,16", "--out", "o")
+@pytest.mark.parametrize(
+    "command,gpus,printed,written",
+    [
+        ("buckets", "8,16", "| 16 | 10.0 |", "buckets-{stem}.md"),
+        ("gantt", "16", "16 GPUs, bucket_cap_mb 25 (1 buckets), overlapped: step",
+         "gantt-{stem}-16gpus.svg"),
+    ],
+)  # fmt: skip
+def test_buckets_and_gantt_on_a_user_model(tmp_path, command, gpus, printed, written):
+    out = run_simulate(tmp_path, command, "--model", CNN, "--input-shape", "3,32,32",
+                       "--batch-size", "8", "--iteration-ms", "10", "--cluster", "cloud_100gbe",
+                       "--gpus", gpus, "--out", "o")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "| 16 | 10.0 |" in out.stdout
-    assert (
-        tmp_path / "o" / "buckets-tests_fixtures_user_models-small_cnn-cloud_100gbe.md"
-    ).is_file()
-    out = run_simulate(tmp_path, "gantt", *common, "--gpus", "16", "--out", "o")
-    assert out.returncode == 0, out.stderr
-    assert "16 GPUs, bucket_cap_mb 25 (1 buckets), overlapped: step" in out.stdout
-    assert (
-        tmp_path / "o" / "gantt-tests_fixtures_user_models-small_cnn-cloud_100gbe-16gpus.svg"
-    ).is_file()
+    assert printed in out.stdout
+    stem = "tests_fixtures_user_models-small_cnn-cloud_100gbe"
+    assert (tmp_path / "o" / written.format(stem=stem)).is_file()
 
 
 def test_caps_on_a_cluster_pick_the_fastest_and_measure_the_gain():
@@ -226,3 +234,35 @@ def test_the_other_commands_write_where_they_are_run(tmp_path, argv):
     assert out.returncode == 0, out.stderr
     assert any((tmp_path / "runs" / "simulate").iterdir())
     assert git_status() == before
+
+
+def workload_of(*argv: str):
+    args = parse(*argv)
+    cluster, _ = clusters.from_args(args)
+    return usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+
+
+def test_a_presets_optimizer_and_input_are_its_own_unless_given():
+    from profiling.simulate import presets
+
+    # BERT-large's published timing is with Adam: 7 float32 passes per parameter.
+    w, lines, _ = workload_of("--model", "bert_large")
+    params = presets.profile("bert_large").parameters
+    assert w.optimizer_s == pytest.approx(params * 28 / (900 * GB))
+    assert "[adam: 28 B per parameter" in lines[2]
+    w, _, _ = workload_of("--model", "bert_large", "--optimizer", "sgd")
+    assert w.optimizer_s == pytest.approx(params * 20 / (900 * GB))
+    # Another input than the published one's, or another batch: the published time no
+    # longer holds, so the iteration must be given.
+    with pytest.raises(ValueError, match="give --iteration-ms"):
+        workload_of("--model", "bert_large", "--input-shape", "512", "--batch-size", "8")
+    with pytest.raises(ValueError, match="published iteration is at batch 8"):
+        workload_of("--model", "bert_large", "--batch-size", "16")
+    w, _, _ = workload_of("--model", "resnet50", "--input-shape", "3,64,64",
+                          "--batch-size", "32", "--iteration-ms", "50")  # fmt: skip
+    assert w.compute_s == pytest.approx(0.05)
+
+
+def test_a_model_that_fails_on_its_input_is_named():
+    with pytest.raises(ValueError, match="failed on a batch of 2 of --input-shape 1,32,32"):
+        usermodel.profile(CNN, (1, 32, 32))

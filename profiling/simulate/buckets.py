@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     usermodel.add_arguments(parser)
-    clusters.add_arguments(parser, default="li2020")
+    clusters.add_arguments(parser)
     parser.add_argument(
         "--gpus", default="8,16,32,64,128,256",
         help="GPU counts, comma-separated (default: %(default)s)",

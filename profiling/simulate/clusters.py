@@ -12,6 +12,10 @@ GPUs then takes 2n(p - 1)/p / busbw on the wire, what nccl-tests measures. Insid
 server, the busbw of the server's GPUs; across servers, the busbw nccl-tests reports on
 several servers, which their NICs together carry. Latencies are NCCL's own model of
 them (src/graph/tuning.cc), Ring with the Simple protocol DDP's large buckets use.
+Bus bandwidths fit `--algorithm ring`, NCCL's for large buffers, whose cost is the one
+nccl-tests measures; the halving-doubling and hierarchical forms (`topology`) take the
+links' own rates, which the papers' presets (`li2020`, `goyal2017`) give. The flags take
+Gbit/s (8 x the GB/s nccl-tests prints); every output prints both.
 
 Every output of `scale`, `buckets` and `gantt` begins with these numbers and their
 sources (`describe`).
@@ -47,58 +51,49 @@ class Cluster:
 AZURE_A100 = "Azure AI-benchmarking-guide, ND A100 v4 results, 'NCCL Bandwidth': all_reduce busbw 231.6 GB/s at 8 GB on 8 A100 (NCCL 2.18.5)"  # noqa: E501
 AZURE_H100 = "Azure AI-benchmarking-guide, ND H100 v5 results, 'NCCL Bandwidth': all_reduce busbw 478.9 GB/s at 8 GB on 8 H100 (NCCL 2.18.5, NVLS)"  # noqa: E501
 
+A100_MEMORY = "A100 40GB SXM data sheet: 1,555 GB/s memory bandwidth"
+
+
+def server(gpu: str, memory_gbs: float, intra_bytes_per_s: float, inter_bytes_per_s: float,
+           sources: dict[str, str], latencies: str = NCCL_2_20,
+           net_step_s: float = NET_STEP_S) -> Cluster:  # fmt: skip
+    """A server of 8 GPUs, NCCL's latencies (`latencies` says which NCCL's)."""
+    topology = Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=intra_bytes_per_s,
+                        inter_bytes_per_s=inter_bytes_per_s, intra_latency_s=NVLINK_STEP_S,
+                        inter_latency_s=net_step_s, call_latency_s=CALL_S)  # fmt: skip
+    keys = ("intra_latency_s", "inter_latency_s", "call_latency_s")
+    return Cluster(topology, gpu, memory_gbs * GB, dict.fromkeys(keys, latencies) | sources)
+
+
+# fmt: off
 PRESETS: dict[str, Cluster] = {
     # DGX A100: 8 A100 SXM4 on NVSwitch, 8 ConnectX-6 HDR 200 Gbit/s NICs (one per GPU).
-    "dgx_a100": Cluster(
-        Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=231 * GB,
-                 inter_bytes_per_s=192 * GB, intra_latency_s=NVLINK_STEP_S,
-                 inter_latency_s=NET_STEP_S, call_latency_s=CALL_S),
-        "A100", 1555 * GB,
-        {
-            "gpus_per_node": "NVIDIA DGX A100 data sheet: 8 A100 GPUs",
-            "intra_bytes_per_s": AZURE_A100,
-            "inter_bytes_per_s": "NVIDIA/nccl issue 812 (NVIDIA): 'we measure 192 GB/s "
-            "AllReduce BusBW' across DGX A100 servers, 8 x 200 Gbit/s InfiniBand",
-            "intra_latency_s": NCCL_2_20, "inter_latency_s": NCCL_2_20,
-            "call_latency_s": NCCL_2_20,
-            "gpu": "A100 40GB SXM data sheet: 1,555 GB/s memory bandwidth",
-        },
-    ),
+    "dgx_a100": server("A100", 1555, 231 * GB, 192 * GB, {
+        "gpus_per_node": "NVIDIA DGX A100 data sheet: 8 A100 GPUs",
+        "intra_bytes_per_s": AZURE_A100,
+        "inter_bytes_per_s": "NVIDIA/nccl issue 812 (NVIDIA): 'we measure 192 GB/s AllReduce "
+        "BusBW' across DGX A100 servers, 8 x 200 Gbit/s InfiniBand",
+        "gpu": A100_MEMORY,
+    }),
     # DGX H100: 8 H100 SXM on NVLink 4 / NVSwitch, 8 ConnectX-7 NDR 400 Gbit/s NICs.
-    "dgx_h100": Cluster(
-        Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=479 * GB,
-                 inter_bytes_per_s=396 * GB, intra_latency_s=NVLINK_STEP_S,
-                 inter_latency_s=NET_STEP_S, call_latency_s=CALL_S),
-        "H100", 3350 * GB,
-        {
-            "gpus_per_node": "NVIDIA DGX H100 data sheet: 8 H100 GPUs",
-            "intra_bytes_per_s": AZURE_H100,
-            "inter_bytes_per_s": "NVIDIA/nccl-tests issue 319 (NVIDIA): 'up to ~396GB/s "
-            "with the RING protocol' across servers of 8 x 400 Gbit/s NDR",
-            "intra_latency_s": NCCL_2_20, "inter_latency_s": NCCL_2_20,
-            "call_latency_s": NCCL_2_20,
-            "gpu": "H100 SXM data sheet: 3.35 TB/s memory bandwidth",
-        },
-    ),
+    "dgx_h100": server("H100", 3350, 479 * GB, 396 * GB, {
+        "gpus_per_node": "NVIDIA DGX H100 data sheet: 8 H100 GPUs",
+        "intra_bytes_per_s": AZURE_H100,
+        "inter_bytes_per_s": "NVIDIA/nccl-tests issue 319 (NVIDIA): 'up to ~396GB/s with the "
+        "RING protocol' across servers of 8 x 400 Gbit/s NDR",
+        "gpu": "H100 SXM data sheet: 3.35 TB/s memory bandwidth",
+    }),
     # A cloud server of 8 A100 on NVSwitch with one 100 Gbit/s Ethernet NIC for all of
     # them (as GCP's a2-highgpu-8g, AWS's p3dn with V100).
-    "cloud_100gbe": Cluster(
-        Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=231 * GB,
-                 inter_bytes_per_s=10 * GB, intra_latency_s=NVLINK_STEP_S,
-                 inter_latency_s=NET_STEP_S, call_latency_s=CALL_S),
-        "A100", 1555 * GB,
-        {
-            "gpus_per_node": "8 GPUs per server, as GCP a2-highgpu-8g and AWS p3dn.24xlarge",
-            "intra_bytes_per_s": AZURE_A100,
-            "inter_bytes_per_s": "NVIDIA/nccl issue 235 (NVIDIA): all_reduce busbw ~10 GB/s "
-            "(80 Gbit/s) on 2 AWS p3dn servers with one 100 Gbit/s NIC each, 6-8 GB/s on 8 "
-            "to 32 servers",
-            "intra_latency_s": NCCL_2_20, "inter_latency_s": NCCL_2_20 + " (ASSUMED: a "
-            "cloud network's step is likely slower)",
-            "call_latency_s": NCCL_2_20,
-            "gpu": "A100 40GB SXM data sheet: 1,555 GB/s memory bandwidth",
-        },
-    ),
+    "cloud_100gbe": server("A100", 1555, 231 * GB, 10 * GB, {
+        "gpus_per_node": "8 GPUs per server, as GCP a2-highgpu-8g and AWS p3dn.24xlarge",
+        "intra_bytes_per_s": AZURE_A100,
+        "inter_bytes_per_s": "NVIDIA/nccl issue 235 (NVIDIA): all_reduce busbw ~10 GB/s (80 "
+        "Gbit/s) on 2 AWS p3dn servers with one 100 Gbit/s NIC each, 6-8 GB/s on 8 to 32 "
+        "servers",
+        "inter_latency_s": NCCL_2_20 + " (ASSUMED: a cloud network's step is likely slower)",
+        "gpu": A100_MEMORY,
+    }),
     # Li et al., "PyTorch Distributed" (VLDB 2020), section 5: 8 Tesla V100 per server,
     # NVLink inside it, servers joined by a Mellanox ConnectX-4 100 Gbit/s NIC (as the
     # paper's evaluation section describes its exclusive 32-GPU cluster; ASSUMED: one
@@ -106,51 +101,38 @@ PRESETS: dict[str, Cluster] = {
     # what NCCL achieves. NVLink: V100 SXM2, 6 links of 25 GB/s each way (300 GB/s in
     # all). Latencies: NCCL 2.7.5's model (NVIDIA/nccl commit 01afd20a), of the paper's
     # time.
-    "li2020": Cluster(
-        Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=150 * GB,
-                 inter_bytes_per_s=100 * GBIT, intra_latency_s=NVLINK_STEP_S,
-                 inter_latency_s=NCCL_2_7_NET_STEP_S, call_latency_s=CALL_S),
-        "V100", 900 * GB,
-        {
-            "gpus_per_node": "Li et al. 2020 section 5: 8 V100 per server",
-            "intra_bytes_per_s": "V100 SXM2 data sheet: NVLink 6 x 25 GB/s each way (line rate)",
-            "inter_bytes_per_s": "Li et al. 2020 section 5: a 100 Gbit/s NIC (one per server "
-            "ASSUMED; line rate)",
-            "intra_latency_s": NCCL_2_7, "inter_latency_s": NCCL_2_7, "call_latency_s": NCCL_2_7,
-            "gpu": "V100 SXM2 data sheet: 900 GB/s memory bandwidth",
-        },
-    ),
+    "li2020": server("V100", 900, 150 * GB, 100 * GBIT, {
+        "gpus_per_node": "Li et al. 2020 section 5: 8 V100 per server",
+        "intra_bytes_per_s": "V100 SXM2 data sheet: NVLink 6 x 25 GB/s each way (line rate)",
+        "inter_bytes_per_s": "Li et al. 2020 section 5: a 100 Gbit/s NIC (one per server "
+        "ASSUMED; line rate)",
+        "gpu": "V100 SXM2 data sheet: 900 GB/s memory bandwidth",
+    }, NCCL_2_7, NCCL_2_7_NET_STEP_S),
     # Goyal et al., "Accurate, Large Minibatch SGD" (arXiv 1706.02677), section 5: Big
     # Basin servers of 8 Tesla P100 joined by NVLink, each with a Mellanox ConnectX-4 50
     # Gbit Ethernet card. NVLink: P100 SXM2, 4 links of 20 GB/s each way (160 GB/s in
     # all). Latencies ASSUMED NCCL's: Goyal et al.'s inter-server all-reduce was their
     # own (Gloo) over Ethernet, whose per-step latency the paper does not give.
-    "goyal2017": Cluster(
-        Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=80 * GB,
-                 inter_bytes_per_s=50 * GBIT, intra_latency_s=NVLINK_STEP_S,
-                 inter_latency_s=NCCL_2_7_NET_STEP_S, call_latency_s=CALL_S),
-        "P100", 732 * GB,
-        {
-            "gpus_per_node": "Goyal et al. 2017 section 5: Big Basin, 8 P100 per server",
-            "intra_bytes_per_s": "P100 SXM2 data sheet: NVLink 4 x 20 GB/s each way (line rate)",
-            "inter_bytes_per_s": "Goyal et al. 2017 section 5: 50 Gbit/s Ethernet per server "
-            "(line rate)",
-            "intra_latency_s": NCCL_2_7 + " (ASSUMED)", "inter_latency_s": NCCL_2_7 + " (ASSUMED)",
-            "call_latency_s": NCCL_2_7 + " (ASSUMED)",
-            "gpu": "P100 SXM2 data sheet: 732 GB/s memory bandwidth",
-        },
-    ),
-}  # fmt: skip
+    "goyal2017": server("P100", 732, 80 * GB, 50 * GBIT, {
+        "gpus_per_node": "Goyal et al. 2017 section 5: Big Basin, 8 P100 per server",
+        "intra_bytes_per_s": "P100 SXM2 data sheet: NVLink 4 x 20 GB/s each way (line rate)",
+        "inter_bytes_per_s": "Goyal et al. 2017 section 5: 50 Gbit/s Ethernet per server "
+        "(line rate)",
+        "gpu": "P100 SXM2 data sheet: 732 GB/s memory bandwidth",
+    }, NCCL_2_7 + " (ASSUMED)", NCCL_2_7_NET_STEP_S),
+}
+# fmt: on
 NAMES = tuple(PRESETS)
 
-# flag -> (Topology field, flag value to the field's unit, field's value to the flag's)
+# flag -> (Topology field, or "gpu" for the GPU's memory; the flag's value in its unit)
 FLAGS = {
-    "gpus_per_node": ("gpus_per_node", int, int),
-    "intra_gbps": ("intra_bytes_per_s", lambda v: v * GBIT, lambda v: v / GBIT),
-    "inter_gbps": ("inter_bytes_per_s", lambda v: v * GBIT, lambda v: v / GBIT),
-    "intra_latency_us": ("intra_latency_s", lambda v: v * 1e-6, lambda v: v * 1e6),
-    "inter_latency_us": ("inter_latency_s", lambda v: v * 1e-6, lambda v: v * 1e6),
-    "call_latency_us": ("call_latency_s", lambda v: v * 1e-6, lambda v: v * 1e6),
+    "gpus_per_node": ("gpus_per_node", int),
+    "intra_gbps": ("intra_bytes_per_s", lambda v: v * GBIT),
+    "inter_gbps": ("inter_bytes_per_s", lambda v: v * GBIT),
+    "intra_latency_us": ("intra_latency_s", lambda v: v * 1e-6),
+    "inter_latency_us": ("inter_latency_s", lambda v: v * 1e-6),
+    "call_latency_us": ("call_latency_s", lambda v: v * 1e-6),
+    "memory_gbytes_per_s": ("gpu", lambda v: v * GB),
 }
 
 
@@ -160,14 +142,15 @@ def cluster(name: str) -> Cluster:
     raise ValueError(f"--cluster {name!r}: pick one of {', '.join(NAMES)}")
 
 
-def add_arguments(parser: argparse.ArgumentParser, default: str = "dgx_a100") -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "cluster (a preset; each flag replaces its value; bandwidths are NCCL's bus "
         "bandwidth, as nccl-tests reports it)"
     )
     group.add_argument(
-        "--cluster", "--network", dest="cluster", choices=NAMES, default=default,
-        help="preset: " + ", ".join(NAMES) + " (default: %(default)s)",
+        "--cluster", "--network", dest="cluster", choices=NAMES,
+        help="preset: " + ", ".join(NAMES) + " (default: li2020 for the presets' models, "
+        "whose published timings are V100s; dgx_a100 for yours)",
     )  # fmt: skip
     group.add_argument("--gpus-per-node", type=int, help="GPUs in one server")
     group.add_argument(
@@ -181,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "dgx_a100") ->
     group.add_argument("--inter-latency-us", type=float, help="per ring step across servers")
     group.add_argument("--call-latency-us", type=float, help="per collective call")
     group.add_argument(
+        "--memory-gbytes-per-s", type=float,
+        help="one GPU's memory bandwidth, GB/s: what the optimizer's step costs",
+    )  # fmt: skip
+    group.add_argument(
         "--algorithm", choices=list(ALGORITHMS), default="ring",
         help="the all-reduce (default: %(default)s, NCCL's for large buffers)",
     )  # fmt: skip
@@ -189,19 +176,27 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "dgx_a100") ->
 def from_args(args: argparse.Namespace) -> tuple[Cluster, bool]:
     """The preset with every flag given replacing its value (its source: the flag), and
     whether any did."""
+    from profiling.simulate.presets import MODELS
+
+    if args.cluster is None:  # a preset's model: the GPU its published timing is of
+        args.cluster = "li2020" if getattr(args, "model", None) in MODELS else "dgx_a100"
     base = cluster(args.cluster)
-    changes, sources = {}, dict(base.sources)
-    for flag, (name, to_field, _) in FLAGS.items():
+    changes, sources, memory = {}, dict(base.sources), base.memory_bytes_per_s
+    for flag, (name, to_field) in FLAGS.items():
         value = getattr(args, flag, None)
         if value is None:
             continue
         if not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value:g}")
-        changes[name] = to_field(value)
         sources[name] = f"--{flag.replace('_', '-')}"
-    if not changes:
+        if name == "gpu":
+            memory = to_field(value)
+        else:
+            changes[name] = to_field(value)
+    if sources == base.sources:
         return base, False
-    return replace(base, topology=replace(base.topology, **changes), sources=sources), True
+    topology = replace(base.topology, **changes)
+    return replace(base, topology=topology, memory_bytes_per_s=memory, sources=sources), True
 
 
 def describe(c: Cluster, name: str, algorithm: str) -> list[str]:
@@ -209,8 +204,10 @@ def describe(c: Cluster, name: str, algorithm: str) -> list[str]:
     t = c.topology
     values = {
         "gpus_per_node": f"{t.gpus_per_node} GPUs per server",
-        "intra_bytes_per_s": f"{t.intra_bytes_per_s / GB:g} GB/s inside a server",
-        "inter_bytes_per_s": f"{t.inter_bytes_per_s / GB:g} GB/s across servers, per server",
+        "intra_bytes_per_s": f"{t.intra_bytes_per_s / GB:g} GB/s "
+        f"({t.intra_bytes_per_s / GBIT:g} Gbit/s) inside a server",
+        "inter_bytes_per_s": f"{t.inter_bytes_per_s / GB:g} GB/s "
+        f"({t.inter_bytes_per_s / GBIT:g} Gbit/s) across servers, per server",
         "intra_latency_s": f"{t.intra_latency_s * 1e6:g} us per step inside",
         "inter_latency_s": f"{t.inter_latency_s * 1e6:g} us per step across",
         "call_latency_s": f"{t.call_latency_s * 1e6:g} us per call",

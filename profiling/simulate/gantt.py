@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     usermodel.add_arguments(parser)
-    clusters.add_arguments(parser, default="li2020")
+    clusters.add_arguments(parser)
     parser.add_argument("--gpus", type=int, default=32, help="(default: 32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="(default: 25)")
     outputs.add_arguments(parser)

@@ -44,14 +44,3 @@ def folders(args: argparse.Namespace) -> tuple[Path, Path]:
     results.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
     return results, images
-
-
-def calibration_path(given: Path | None) -> Path:
-    """A CPU-cluster calibration: the one given, or the docs' own in this checkout."""
-    path = given or Path(__file__).resolve().parents[2] / "docs/results/simulate-validate.json"
-    if not path.is_file():
-        raise SystemExit(
-            f"no calibration file {path}; run `python -m profiling.simulate validate --json "
-            "FILE` and pass --calibration FILE"
-        )
-    return path

@@ -41,20 +41,15 @@ FLOAT32_BYTES = 4  # both papers' gradients: float32 (DDP all-reduces the .grad 
 RESNET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 
-def resnet50_module(device: str | None = None):
-    """ResNet-50 on torch's default device: a factory for `--model`."""
-    return resnet50(device)
-
-
 def resnet101(device: str | None = None):
     """torchvision.models.resnet101(), untrained, built on `device` (by default, torch's
     default device: a factory for `--model profiling.simulate.presets:resnet101`)."""
     return resnet50(device, depth=101)
 
 
-def resnet50(device: str | None = "meta", depth: int = 50):
+def resnet50(device: str | None = None, depth: int = 50):
     """torchvision.models.resnet50() (or resnet101, resnet152 by `depth`), untrained,
-    built on `device` (meta: shapes only; None: torch's default device)."""
+    built on `device` (by default, torch's default device; meta: shapes only)."""
     import torch
     from torch import nn
 
@@ -82,7 +77,7 @@ def resnet50(device: str | None = "meta", depth: int = 50):
             identity = x if self.downsample is None else self.downsample(x)
             return self.relu(out + identity)
 
-    class ResNet50(nn.Module):
+    class ResNet(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
@@ -108,9 +103,9 @@ def resnet50(device: str | None = "meta", depth: int = 50):
             return self.fc(torch.flatten(self.avgpool(x), 1))
 
     if device is None:
-        return ResNet50()
+        return ResNet()
     with torch.device(device):
-        return ResNet50()
+        return ResNet()
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,7 +128,7 @@ class BertConfig:
     seq_len: int = 128  # the sequence length of the timing below (phase 1 of pre-training)
 
 
-def bert_large(cfg: BertConfig = BertConfig(), device: str | None = "meta"):
+def bert_large(cfg: BertConfig = BertConfig(), device: str | None = None):
     """BERT-large for pre-training as a module, untrained, on `device`: the layers above
     with Hugging Face's `BertForPreTraining` parameter names, for timing its backward
     (`profiling.simulate.shape`). Dropout 0.1 and GELU as the released configuration;
@@ -220,18 +215,13 @@ def bert_large(cfg: BertConfig = BertConfig(), device: str | None = "meta"):
         return Bert()
 
 
-def bert_large_module(device: str | None = None):
-    """BERT-large on torch's default device: a factory for
-    `--model profiling.simulate.presets:bert_large_module --input-shape 128`."""
-    return bert_large(BertConfig(), device)
-
-
 # A preset's factory, as `--model MODULE:FACTORY` would name it, and one sample's shape.
 FACTORIES = {
-    "resnet50": ("profiling.simulate.presets:resnet50_module", (3, 224, 224)),
-    "bert_large": ("profiling.simulate.presets:bert_large_module", (BertConfig().seq_len,)),
+    "resnet50": ("profiling.simulate.presets:resnet50", (3, 224, 224)),
+    "bert_large": ("profiling.simulate.presets:bert_large", (BertConfig().seq_len,)),
 }
 MODELS = tuple(FACTORIES)
+OPTIMIZERS = {"resnet50": "sgd", "bert_large": "adam"}  # as COMPUTE costs them
 
 
 @cache  # frozen: every caller gets the same

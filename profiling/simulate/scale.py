@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     usermodel.add_arguments(parser)
-    clusters.add_arguments(parser, default="li2020")
+    clusters.add_arguments(parser)
     add = parser.add_argument
     # fmt: off
     add("--nodes", type=int, help="sweep up to this many servers (drops larger --gpus)")
@@ -152,6 +152,8 @@ def _numbers(text: str, name: str, kind=float) -> list:
 
 
 def run(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
     from profiling import report
     from profiling.simulate import clusters, outputs, usermodel
 
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> None:
         if args.nodes:
             gpus = [p for p in gpus if p <= args.nodes * topo.gpus_per_node]
         if not gpus or min(gpus) < 1:
-            raise ValueError(f"--gpus {args.gpus}: give GPU counts of at least 1")
+            raise ValueError(f"--gpus {args.gpus} (--nodes {args.nodes}): no GPU count of at "
+                             "least 1 left to simulate")  # fmt: skip
         for p in gpus:
             topo.with_gpus(p)
         if not args.bucket_cap_mb > 0 or any(c <= 0 for c in caps):
@@ -188,8 +191,14 @@ def run(args: argparse.Namespace) -> None:
         "bucket_cap_mb": args.bucket_cap_mb,
         "overlap": overlap,
         "slowdown": args.slowdown,
-        "topology": _topology_dict(topo),
-        "workload": _workload_dict(workload),
+        "topology": asdict(topo),
+        "workload": {
+            "gradients": len(workload.grads),
+            "gradient_bytes": sum(g.nbytes for g in workload.grads),
+            "forward_s": workload.forward_s,
+            "backward_s": workload.backward_s,
+            "optimizer_s": workload.optimizer_s,
+        },  # fmt: skip
         "assumptions": model_lines + clusters.describe(cluster, name, args.algorithm),
     }
     print(summary(result))
@@ -209,22 +218,6 @@ def run(args: argparse.Namespace) -> None:
         f.write(markdown(result))
     plot(result, plot_path)
     print(f"wrote {json_path}, {md_path}, {plot_path}")
-
-
-def _topology_dict(topo) -> dict:
-    from dataclasses import asdict
-
-    return asdict(topo)
-
-
-def _workload_dict(w: Workload) -> dict:
-    return {
-        "gradients": len(w.grads),
-        "gradient_bytes": sum(g.nbytes for g in w.grads),
-        "forward_s": w.forward_s,
-        "backward_s": w.backward_s,
-        "optimizer_s": w.optimizer_s,
-    }
 
 
 # ---------------------------------------------------------------------------------------

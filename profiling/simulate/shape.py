@@ -77,10 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a preset or your model (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--input-shape", help="one sample's shape (a preset knows its own)")
-    parser.add_argument("--batch", type=int, help="per GPU (default: the V100 preset's)")
+    parser.add_argument("--batch-size", "--batch", dest="batch", type=int,
+                        help="per GPU (default: the V100 preset's)")  # fmt: skip
     parser.add_argument(
-        "--optimizer", choices=list(usermodel.OPTIMIZER_BYTES), default="sgd",
-        help="(default: %(default)s; BERT-large's preset is costed with adam)",
+        "--optimizer", choices=list(usermodel.OPTIMIZER_BYTES),
+        help="(default: a preset's own, adam for BERT-large; else sgd)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20, help="timed steps (default: 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed before (default: 5)")
@@ -113,8 +114,9 @@ def run(args: argparse.Namespace) -> None:
     spec, input_shape = presets.FACTORIES[args.model] if preset else (args.model, None)
     if args.input_shape:
         input_shape = usermodel.parse_input_shape(args.input_shape)
+    optimizer = args.optimizer or presets.OPTIMIZERS.get(args.model, "sgd")
     shape = measure(spec, input_shape, batch, args.device, repeats=args.repeats,
-                    warmup=args.warmup, optimizer=args.optimizer, name=args.model)  # fmt: skip
+                    warmup=args.warmup, optimizer=optimizer, name=args.model)  # fmt: skip
     device_name = (
         torch.cuda.get_device_name(torch.device(args.device))
         if args.device.startswith("cuda")
@@ -155,7 +157,7 @@ def measure(spec: str, input_shape, batch: int, device: str = "cuda", *, name: s
     return Shape(name or spec, batch, device, t.forward_s, t.backward_s, t.optimizer_s, ready)
 
 
-def load(path: str) -> Shape:
+def load(path: str, flag: str = "--shape") -> Shape:
     """A measurement written by --json, with a clear error for a file that is not one."""
     import json
     from pathlib import Path
@@ -163,9 +165,9 @@ def load(path: str) -> Shape:
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise SystemExit(f"--shape: no such file: {path}") from None
+        raise SystemExit(f"{flag}: no such file: {path}") from None
     except ValueError:
-        raise SystemExit(f"--shape: {path} is not JSON") from None
+        raise SystemExit(f"{flag}: {path} is not JSON") from None
     try:
         return Shape(
             model=data["model"], batch=int(data["batch"]), device=data["device"],
@@ -175,7 +177,7 @@ def load(path: str) -> Shape:
         )  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise SystemExit(
-            f"--shape: {path} is not a measurement written by `shape --json` ({error!r})"
+            f"{flag}: {path} is not a measurement written by `shape --json` ({error!r})"
         ) from None
 
 
@@ -192,6 +194,9 @@ def comparison(shapes: list[Shape]) -> list[dict]:
 
     rows = []
     for measured in shapes:
+        if measured.model not in presets.FACTORIES:
+            raise SystemExit(f"--compare: {measured.model} is not a preset; the guesses are "
+                             f"compared on {', '.join(presets.MODELS)}")  # fmt: skip
         spec, input_shape = presets.FACTORIES[measured.model]
         for method in usermodel.READY_METHODS:
             guess = usermodel.profile(spec, input_shape, method)
@@ -212,7 +217,7 @@ def print_comparison(paths: list[str], markdown_path: str | None) -> None:
     from profiling.report import command_line, markdown_table, produced_by
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "results"
-    shapes = [load(p) for p in paths or [str(docs / name) for name in DOCS_SHAPES]]
+    shapes = [load(p, "--compare") for p in paths or [str(docs / name) for name in DOCS_SHAPES]]
     body = [
         [f"{r['model']} (batch {r['batch']})", f"--ready {r['method']}",
          f"{r['forward_fraction']:.0%} (GPU {r['gpu_forward_fraction']:.0%})",

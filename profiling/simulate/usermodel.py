@@ -16,9 +16,8 @@ What the step model needs from it (`schedule.Workload`):
       torch's FLOP counter; a gradient is ready when backward has done the FLOPs it
       had done when the gradient's accumulate hook fired. Memory-bound operations
       (norms, activations) count no FLOPs, so they take no time here;
-    - `measured`: the module built for real and trained a few steps (`measure`), each
-      gradient's ready time stamped by the same hook: on this machine's CPU at batch 2,
-      or at --batch-size on a GPU where one is present;
+    - `measured`: the module built for real and trained a few steps on this machine's
+      CPU at batch 2 (`measure`), each gradient's ready time stamped by the same hook;
   forward's share of forward and backward comes from the same method;
 - **the iteration time**: `--iteration-ms`, one GPU's forward, backward and optimizer
   at `--batch-size`; without it, on a machine with a GPU, measured there (`measure`
@@ -34,6 +33,7 @@ method's ready times are from the ones measured on a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import statistics
@@ -97,16 +97,11 @@ def build(factory: Callable[[], object], spec: str, device: str = "meta"):
             f"--model {spec!r}: building it on the {device} device failed ({error!r}); the "
             "factory must build the model without loading weights or moving it to a device"
         ) from None
-    if isinstance(model, nn.Module) and any(
-        p.device.type != torch.device(device).type for p in model.parameters()
-    ):
-        raise ValueError(
-            f"--model {spec!r}: the factory put parameters on another device than the "
-            f"default it was given ({device}); let it build on torch's default device"
-        )
     if not isinstance(model, nn.Module):
         kind = type(model).__name__
         raise ValueError(f"--model {spec!r}: the factory returned {kind}, not an nn.Module")
+    if any(p.device.type != torch.device(device).type for p in model.parameters()):
+        raise ValueError(f"--model {spec!r}: the factory moved its parameters off {device}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"--model {spec!r}: the model has no trainable parameters")
     return model
@@ -119,10 +114,7 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(n < 1 for n in shape):
-        raise ValueError(
-            f"--input-shape {text!r}: give one sample's shape as positive integers, e.g. "
-            "3,224,224, or one number, a token model's sequence length"
-        )
+        raise ValueError(f"--input-shape {text!r}: give positive integers: 3,224,224 or 512")
     return shape
 
 
@@ -158,6 +150,22 @@ def _loss(output):
     return sum(t.float().sum() for t in leaves)
 
 
+@contextlib.contextmanager
+def _named_failure(x):
+    """The user's model failing on the batch built for it: say which input it was given."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as error:  # the user's code: shape mismatches, out of memory, ...
+        shape = ",".join(map(str, x.shape[1:]))
+        raise ValueError(
+            f"the model's forward and backward failed on a batch of {x.shape[0]} of "
+            f"--input-shape {shape} ({type(error).__name__}: {str(error)[:200]}); check "
+            "--input-shape, and --batch-size where it runs on a GPU"
+        ) from None
+
+
 # --8<-- [start:flops]
 def flops_profile(model, x) -> Profile:
     """Backward's shape by FLOPs, on the meta device: forward's FLOPs against backward's,
@@ -173,7 +181,7 @@ def flops_profile(model, x) -> Profile:
 
     handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in named]
     try:
-        with counter:
+        with counter, _named_failure(x):
             loss = _loss(model(x))
             forward = counter.get_total_flops()
             loss.backward()
@@ -203,7 +211,6 @@ class Timing:
     forward_s: float
     backward_s: float
     optimizer_s: float
-    device: str
 
 
 def measure(
@@ -223,8 +230,8 @@ def measure(
     clock = DeviceClock(torch.device(device))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    step_with = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-                 "adam": lambda: torch.optim.Adam(params, lr=1e-4)}[optimizer]()  # fmt: skip
+    optimizer_ = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+                  "adam": lambda: torch.optim.Adam(params, lr=1e-4)}[optimizer]()  # fmt: skip
     marks: dict[str, object] = {}
 
     def hook(name: str) -> Callable[[object], None]:
@@ -236,12 +243,13 @@ def measure(
         for step in range(warmup + repeats):
             marks.clear()
             start = clock.mark()
-            loss = _loss(model(x))
-            backward_start = clock.mark()
-            loss.backward()
+            with _named_failure(x):
+                loss = _loss(model(x))
+                backward_start = clock.mark()
+                loss.backward()
             backward_end = clock.mark()
-            step_with.step()
-            step_with.zero_grad(set_to_none=True)
+            optimizer_.step()
+            optimizer_.zero_grad(set_to_none=True)
             end = clock.mark()
             clock.wait()
             if step >= warmup:
@@ -261,7 +269,7 @@ def measure(
         ready_fraction={n: min(1.0, statistics.median(s[3][n] for s in steps)) for n, _ in named},
         method="measured",
     )
-    return profile, Timing(forward_s, backward_s, optimizer_s, device)
+    return profile, Timing(forward_s, backward_s, optimizer_s)
 
 
 def measure_spec(
@@ -337,8 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser, default: str | None = "resnet
     add("--ready", choices=READY_METHODS, default="flops",
         help="when each gradient is ready: backward's FLOPs on the meta device, or one "
         "backward timed on this CPU (default: %(default)s)")
-    add("--optimizer", choices=list(OPTIMIZER_BYTES), default="sgd",
-        help="whose memory traffic sets the optimizer's time (default: %(default)s)")
+    add("--optimizer", choices=list(OPTIMIZER_BYTES),
+        help="whose memory traffic sets the optimizer's time (default: a preset's own, "
+        "else sgd)")
     # fmt: on
 
 
@@ -357,34 +366,41 @@ def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
     spec, input_shape = presets.FACTORIES[args.model] if preset else (args.model, None)
     if args.input_shape is not None:
         input_shape = parse_input_shape(args.input_shape)
+    optimizer = args.optimizer or presets.OPTIMIZERS.get(args.model, "sgd")
+    # A preset's published iteration holds only for its own batch and input.
     published = presets.COMPUTE.get((args.model, gpu)) if preset else None
+    if preset and input_shape != presets.FACTORIES[args.model][1] or args.iteration_ms:
+        published = None
+    if published and args.batch_size not in (None, published.batch):
+        raise ValueError(f"--batch-size {args.batch_size}: {args.model}'s published iteration is "
+                         f"at batch {published.batch}; give --iteration-ms at yours")  # fmt: skip
     on_gpu = args.iteration_ms is None and published is None and torch.cuda.is_available()
-    uses_published = published is not None and args.iteration_ms is None
     missing = [f for f, v in (("input_shape", input_shape),
-                              ("batch_size", args.batch_size or uses_published),
+                              ("batch_size", args.batch_size or published),
                               ("iteration_ms", args.iteration_ms or published or on_gpu))
                if not v]  # fmt: skip
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
-        why = f"no published iteration time for {args.model} on the {gpu}"
-        raise ValueError(f"--model {args.model}: {why if preset else 'your model'} needs {flags}")
+        why = f" no published iteration of {args.model} on the {gpu} here;" if preset else ""
+        raise ValueError(f"--model {args.model}:{why} give {flags}")
     if on_gpu:  # one GPU's iteration, measured here, and its ready times with it
         prof, timing = measure_spec(spec, input_shape, args.batch_size, "cuda",
-                                    repeats=10, warmup=3, optimizer=args.optimizer)  # fmt: skip
+                                    repeats=10, warmup=3, optimizer=optimizer)  # fmt: skip
         iteration_s = timing.forward_s + timing.backward_s + timing.optimizer_s
-        optimizer_s = timing.optimizer_s
-        name = torch.cuda.get_device_name()
-        batch, source = args.batch_size, f"measured on this machine's {name}, 10 steps"
-        ready = f"measured on this machine's {name}"
+        optimizer_s, batch = timing.optimizer_s, args.batch_size
+        source = ready = f"measured on this machine's {torch.cuda.get_device_name()}, in float32"
+        optimizer_source = source
     else:
-        if preset and args.ready == "flops":
+        if preset and args.ready == "flops" and input_shape == presets.FACTORIES[args.model][1]:
             prof = presets.profile(args.model)
         else:
             prof = profile(spec, input_shape, args.ready)
-        iteration_s = published.iteration_s if uses_published else args.iteration_ms * 1e-3
-        batch = published.batch if uses_published else args.batch_size
-        source = published.source if uses_published else "--iteration-ms, --batch-size"
-        optimizer_s = prof.parameters * OPTIMIZER_BYTES[args.optimizer] / memory_bytes_per_s
+        iteration_s = published.iteration_s if published else args.iteration_ms * 1e-3
+        batch = published.batch if published else args.batch_size
+        source = published.source if published else "--iteration-ms, --batch-size"
+        optimizer_s = prof.parameters * OPTIMIZER_BYTES[optimizer] / memory_bytes_per_s
+        optimizer_source = (f"{optimizer}: {OPTIMIZER_BYTES[optimizer]} B per parameter at "
+                            f"the {gpu}'s memory bandwidth")  # fmt: skip
         ready = "backward's FLOPs on the meta device"
         if prof.method == "measured":
             ready = f"one backward timed on this CPU at batch {MEASURE_BATCH}"
@@ -394,12 +410,10 @@ def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
         f"{sum(g.nbytes for g in w.grads) / 2**20:.1f} MiB in {args.dtype}  "
         f"[{'preset' if preset else 'built on meta'}]",
         f"  iteration {iteration_s * 1e3:.1f} ms at batch {batch} per GPU  [{source}]",
-        f"  optimizer {optimizer_s * 1e3:.2f} ms  "
-        + (f"[{source}]" if on_gpu else f"[{args.optimizer}: "
-           f"{OPTIMIZER_BYTES[args.optimizer]} B per parameter at the {gpu}'s memory bandwidth]"),
+        f"  optimizer {optimizer_s * 1e3:.2f} ms  [{optimizer_source}]",
         f"  forward {w.forward_s * 1e3:.1f} ms, backward {w.backward_s * 1e3:.1f} ms, "
         f"ready times  [{ready}]",
-    ]  # fmt: skip
+    ]
     settings = {"model": args.model, "batch_per_gpu": batch, "ready": ready,
                 "dtype": args.dtype, "iteration_source": source}  # fmt: skip
     return w, lines, settings

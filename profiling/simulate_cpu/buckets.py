@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
         fail(str(e))
     if args.repeats < 1:
         fail(f"--repeats must be at least 1, got {args.repeats}")
-    from profiling.simulate.outputs import calibration_path
+    from profiling.simulate_cpu.calibration import calibration_path
 
     path = calibration_path(args.calibration)
     data = read_json(
@@ -203,8 +203,8 @@ def run(args: argparse.Namespace) -> None:
     text = "\n".join(
         [
             produced_by(
-                [command_line("profiling.simulate")],
-                ", from the repository root. Caps that build the same layout share a row: "
+                [command_line("profiling.simulate_cpu")],
+                ". Caps that build the same layout share a row: "
                 "below a weight's size, each weight has its own bucket",
             ),
             "",
@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> None:
     if not args.no_files:
         from profiling.simulate.outputs import folders
 
-        paths.append(folders(args)[0] / f"buckets-mlp-{args.rate}-{args.nproc}.md")
+        name = "simulate-buckets.md" if args.docs else f"buckets-mlp-{args.rate}-{args.nproc}.md"
+        paths.append(folders(args)[0] / name)
     for path in paths:
         path.write_text(text)
         print(f"wrote {path}")

@@ -134,7 +134,7 @@ class Calibration:
         return dataclasses.replace(self, **mine) if mine else self
 
     def contention(self, model: str) -> dict[str, float | None]:
-        """The four slowdowns of `model`'s step, as `schedule.simulate` takes them."""
+        """The four slowdowns of `model`'s step, as `sharing.SharedCores` fields."""
         return {
             "slowdown": self.slowdowns.get(model, 0.0),
             "comm_slowdown": self.comm_slowdowns.get(model, 0.0),
@@ -348,3 +348,14 @@ def model_fits(m: dict, fit: dict, world_size: int, sequence: dict, busy_s: floa
 
 
 # --8<-- [end:own]
+
+
+def calibration_path(given: Path | None) -> Path:
+    """A CPU-cluster calibration: the one given, or the docs' own in this checkout."""
+    path = given or Path(__file__).resolve().parents[2] / "docs/results/simulate-validate.json"
+    if not path.is_file():
+        raise SystemExit(
+            f"no calibration file {path}; run `python -m profiling.simulate validate --json "
+            "FILE` and pass --calibration FILE"
+        )
+    return path

@@ -62,15 +62,10 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
     }
     contention = calibration.contention("mlp")
     return {
-        stage: simulate(
-            workload,
-            layout,
-            calibration.cost,
-            schedule,
-            dataclasses.replace(work, **contention),
-        )  # fmt: skip
-        for stage, (layout, schedule, work) in plans.items()
-    }
+        stage: simulate(workload, buckets, calibration.cost, schedule,
+                        dataclasses.replace(work, **contention))
+        for stage, (buckets, schedule, work) in plans.items()
+    }  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,11 +87,11 @@ def run(args: argparse.Namespace) -> None:
     from ddp.config import Config
     from ddp.heap import steady_heap
     from profiling.simulate import outputs
-    from profiling.simulate_cpu.calibration import Calibration
+    from profiling.simulate_cpu.calibration import Calibration, calibration_path
     from profiling.simulate_cpu.inputs import measure_workload
     from profiling.simulate_cpu.predict import calibration_for
 
-    path = outputs.calibration_path(args.calibration)
+    path = calibration_path(args.calibration)
     data = read_json(
         path, "profiling.simulate_cpu gantt", "calibrations", "profiling.simulate validate"
     )
