@@ -3,13 +3,19 @@ arguments; `build_model` is what the command line and the benchmarks call."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from ddp.config import Config
+
+class ModelChoice(Protocol):
+    """What of a `ddp.config.Config` picks a rank's model (Config imports this module)."""
+
+    model: str
+    width: int
+    depth: int
+    seed: int
 
 
 class MLP(nn.Module):
@@ -93,7 +99,7 @@ def build_model(name: str, width: int = 64, depth: int = 3) -> nn.Module:
     return MODELS[name]()
 
 
-def rank_model(cfg: Config, rank: int) -> nn.Module:
+def rank_model(cfg: ModelChoice, rank: int) -> nn.Module:
     """`cfg`'s model as rank `rank` builds it: seeded per rank on purpose, so the
     replicas start different and the wrapper must make them identical."""
     torch.manual_seed(cfg.seed * 1000 + rank)

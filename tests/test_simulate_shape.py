@@ -56,7 +56,7 @@ def assumed_as_shape(model: str, gpu: str) -> shape.Shape:
 def test_a_shape_that_says_what_the_assumption_says_changes_nothing():
     for model, gpu in presets.COMPUTE:
         assumed = presets.workload(model, gpu)
-        again = presets.workload(model, gpu, assumed_as_shape(model, gpu))
+        again = presets.workload(model, gpu, shape.split(assumed_as_shape(model, gpu), model))
         assert again.forward_s == pytest.approx(assumed.forward_s)
         assert again.optimizer_s == assumed.optimizer_s
         assert [g.name for g in again.grads] == [g.name for g in assumed.grads]
@@ -88,10 +88,10 @@ def test_a_measured_split_by_hand():
 def test_a_shape_of_another_model_or_other_parameters_is_refused():
     resnet = assumed_as_shape("resnet50", "V100")
     with pytest.raises(ValueError, match="measured on resnet50 cannot split bert_large"):
-        presets.workload("bert_large", "V100", resnet)
+        shape.split(resnet, "bert_large")
     fewer = shape.Shape("resnet50", 112, "none", 1, 2, 0, {"fc.weight": 1.0})
     with pytest.raises(ValueError, match="parameters are not the model's"):
-        presets.workload("resnet50", "V100", fewer)
+        shape.split(fewer, "resnet50")
 
 
 def paper_with(shapes) -> dict:

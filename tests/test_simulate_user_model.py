@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from profiling.simulate import clusters, scale, usermodel
+from profiling.simulate import clusters, model_args, scale, usermodel
 from profiling.simulate.topology import GB, GBIT
 from tests.fixtures import user_models
 
@@ -239,7 +239,7 @@ def test_the_other_commands_write_where_they_are_run(tmp_path, argv):
 def workload_of(*argv: str):
     args = parse(*argv)
     cluster, _ = clusters.from_args(args)
-    return usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+    return model_args.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
 
 
 def test_a_presets_optimizer_and_input_are_its_own_unless_given():

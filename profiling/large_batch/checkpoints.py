@@ -26,7 +26,6 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,10 +34,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ddp import checkpoint
 from ddp.faults import Fault
-from profiling.large_batch.settings import Settings
-
-if TYPE_CHECKING:
-    from profiling.large_batch.experiment import Run
+from profiling.large_batch.settings import Run, Settings
 
 # Settings that choose which runs there are, or where results go, not how one trains.
 NOT_TRAINING = (

@@ -7,7 +7,6 @@ import dataclasses
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from profiling.large_batch.checkpoints import Position, RunCheckpoints, new_tota
 from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
 from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
 from profiling.large_batch.param_groups import no_decay_param_groups
-from profiling.large_batch.settings import Settings
+from profiling.large_batch.settings import Run, Settings
 
 
 class BatchNormMLP(nn.Module):
@@ -42,26 +41,6 @@ class BatchNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, features)
         return self.layers(x)
-
-
-@dataclass
-class Run:
-    workers: int  # k
-    variant: str
-    seed: int
-    global_batch: int  # k*n
-    lr: float  # the rate after warmup (scaled, except for `unscaled`)
-    iters_per_epoch: int
-    train_error: list[float] = field(default_factory=list)  # per epoch, over its minibatches
-    train_loss: list[float] = field(default_factory=list)  # per epoch
-    val_error: list[float] = field(default_factory=list)  # per epoch, after it
-    diverged: bool = False  # the loss went to inf/nan; the run stopped there
-    params: list[torch.Tensor] | None = None  # final parameters, with keep_params only
-    params_sha256: str = ""  # of the final parameters (ddp.checkpoint.params_sha256)
-
-    @property
-    def final_val_error(self) -> float:
-        return self.val_error[-1]
 
 
 # --8<-- [start:setup]

@@ -1,8 +1,11 @@
-"""The experiment's options: one field of `Settings` per command-line flag."""
+"""The experiment's options, one field of `Settings` per command-line flag, and what one
+run is and produces (`Run`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 import profiling.large_batch
 from ddp.config import HelpFormatter, RankZeroParser, add_options, option
@@ -111,3 +114,23 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         return Settings(**vars(parser.parse_args(argv)))
     except ValueError as error:  # what the fields' types cannot say: see __post_init__
         parser.error(str(error))
+
+
+@dataclass
+class Run:
+    workers: int  # k
+    variant: str
+    seed: int
+    global_batch: int  # k*n
+    lr: float  # the rate after warmup (scaled, except for `unscaled`)
+    iters_per_epoch: int
+    train_error: list[float] = field(default_factory=list)  # per epoch, over its minibatches
+    train_loss: list[float] = field(default_factory=list)  # per epoch
+    val_error: list[float] = field(default_factory=list)  # per epoch, after it
+    diverged: bool = False  # the loss went to inf/nan; the run stopped there
+    params: list[torch.Tensor] | None = None  # final parameters, with keep_params only
+    params_sha256: str = ""  # of the final parameters (ddp.checkpoint.params_sha256)
+
+    @property
+    def final_val_error(self) -> float:
+        return self.val_error[-1]

@@ -56,11 +56,11 @@ def caps_on_cluster(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    usermodel.add_arguments(parser)
+    model_args.add_arguments(parser)
     clusters.add_arguments(parser)
     parser.add_argument(
         "--gpus", default="8,16,32,64,128,256",
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     """The table of `caps_on_cluster`, its assumptions first."""
     from profiling.report import command_line, markdown_table, produced_by
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
     from profiling.simulate.scale import _numbers
     from stages.auto_bucket import CANDIDATES_MB
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
         gpus = _numbers(args.gpus, "gpus", int)
         for p in gpus:
             cluster.topology.with_gpus(p)
-        workload, lines, _ = usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+        workload, lines, _ = model_args.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
     except ValueError as error:
         raise SystemExit(f"buckets: {error}") from None
     name = args.cluster + (" (modified)" if custom else "")

@@ -62,11 +62,11 @@ def draw(step: Step, caption: str, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    usermodel.add_arguments(parser)
+    model_args.add_arguments(parser)
     clusters.add_arguments(parser)
     parser.add_argument("--gpus", type=int, default=32, help="(default: 32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="(default: 25)")
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """One overlapped step at --gpus, drawn, its assumptions printed."""
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
     from profiling.simulate.layouts import uniform_buckets
     from profiling.simulate.schedule import StageSchedule, simulate
     from profiling.simulate.topology import cost_model
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         cluster, custom = clusters.from_args(args)
         topo = cluster.topology.with_gpus(args.gpus)
-        workload, lines, _ = usermodel.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
+        workload, lines, _ = model_args.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
         buckets = uniform_buckets(workload, args.bucket_cap_mb, ready_order=True)
     except ValueError as error:
         raise SystemExit(f"gantt: {error}") from None

@@ -87,11 +87,13 @@ def compare(shapes: Sequence[Shape] = ()) -> dict:
     split as measured (`presets.workload`), the others by FLOPs."""
     from profiling.simulate import presets
     from profiling.simulate.clusters import cluster
+    from profiling.simulate.shape import split
 
     li, goyal = cluster("li2020"), cluster("goyal2017")
 
     def workload(model: str, gpu: str):
-        return presets.workload(model, gpu, _shape_for(shapes, model, gpu))
+        measured = _shape_for(shapes, model, gpu)
+        return presets.workload(model, gpu, measured and split(measured, model))
 
     models = {m: workload(m, li.gpu) for m in ("resnet50", "bert_large")}
     resnet_p100 = workload("resnet50", goyal.gpu)

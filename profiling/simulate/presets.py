@@ -24,7 +24,6 @@ from profiling.simulate.topology import GB
 
 if TYPE_CHECKING:
     from profiling.simulate.schedule import Workload
-    from profiling.simulate.shape import Shape
     from profiling.simulate.usermodel import Profile
 
 FLOAT32_BYTES = 4  # both papers' gradients: float32 (DDP all-reduces the .grad dtype)
@@ -292,13 +291,13 @@ COMPUTE = {
 def workload(
     model: str,
     gpu: str,
-    shape: Shape | None = None,
+    split: Profile | None = None,
     compute: Compute | None = None,
     memory_bytes_per_s: float | None = None,
 ) -> Workload:
     """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it: the
     published `compute` (or the one given), the optimizer at the GPU's memory bandwidth
-    (or the one given), split by FLOPs or, with a `shape` measured on a GPU, as measured."""
+    (or the one given), split by FLOPs or as `split` says (`shape.split`: measured)."""
     from profiling.simulate import usermodel
 
     if model not in MODELS:
@@ -306,10 +305,8 @@ def workload(
     if compute is None and (model, gpu) not in COMPUTE:
         known = ", ".join(f"{m} on {g}" for m, g in COMPUTE)
         raise ValueError(f"no published iteration time for {model} on the {gpu}; known: {known}")
-    if shape is not None and shape.model != model:
-        raise ValueError(f"a shape measured on {shape.model} cannot split {model}'s iteration")
     compute = compute or COMPUTE[model, gpu]
-    prof = profile(model) if shape is None else shape.profile(profile(model))
+    prof = split or profile(model)
     memory = memory_bytes_per_s or MEMORY_BYTES_PER_S[compute.gpu]
     optimizer_s = prof.parameters * compute.optimizer_bytes_per_param / memory
     return usermodel.workload(prof, compute.iteration_s, optimizer_s)

@@ -40,11 +40,11 @@ PER_PARAMETER, ONE_BUCKET = "per parameter", "one bucket"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    usermodel.add_arguments(parser)
+    model_args.add_arguments(parser)
     clusters.add_arguments(parser)
     add = parser.add_argument
     # fmt: off
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
     from dataclasses import asdict
 
     from profiling import report
-    from profiling.simulate import clusters, outputs, usermodel
+    from profiling.simulate import clusters, model_args, outputs
 
     gpus = _numbers(args.gpus, "gpus", int)
     caps = _numbers(args.bucket_caps, "bucket-caps")
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> None:
             topo.with_gpus(p)
         if not args.bucket_cap_mb > 0 or any(c <= 0 for c in caps):
             raise ValueError("--bucket-cap-mb and --bucket-caps must be > 0")
-        workload, model_lines, model_settings = usermodel.from_args(
+        workload, model_lines, model_settings = model_args.from_args(
             args, cluster.gpu, cluster.memory_bytes_per_s
         )
     except ValueError as error:

@@ -67,6 +67,15 @@ class Shape:
                        ready_fraction=fractions, method="measured")  # fmt: skip
 
 
+def split(shape: Shape, model: str) -> Profile:
+    """A preset's profile split as `shape` measured it, for `presets.workload`."""
+    from profiling.simulate import presets
+
+    if shape.model != model:
+        raise ValueError(f"a shape measured on {shape.model} cannot split {model}'s iteration")
+    return shape.profile(presets.profile(model))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from profiling.simulate import usermodel
 

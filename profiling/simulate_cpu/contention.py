@@ -17,7 +17,8 @@ from __future__ import annotations
 import statistics
 
 from profiling.simulate.schedule import CostModel, Workload
-from profiling.simulate_cpu.measure import SEQUENCE_BYTES
+
+SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes (`measure`)
 
 LATENCY_SLOWDOWN_MAX = 20.0  # the fit's upper end: compute 21 times slower while calls fly
 LATENCY_KEYS = ("latency_slowdown", "comm_latency_slowdown")

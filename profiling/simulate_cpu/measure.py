@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ddp.config import Config
+from profiling.simulate_cpu.contention import SEQUENCE_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +27,6 @@ COPY_BYTES = 4 * 2**20  # the pass timed: the MLP's largest gradient
 COPY_REPEATS = 20
 BROADCAST_REPEATS = 30  # the buffers' broadcast: a fraction of a millisecond each
 OWN_REPEATS = 15  # rounds of every stage's step with no communication, each once a round
-SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes
 SEQUENCE_LENGTHS = (1, 16)  # the slope between them: per call, the first's wait left out
 SEQUENCE_REPEATS = 15
 SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a few ms)
