@@ -23,8 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from profiling import report
 from profiling.analysis import analyse_runs, read_logdir, step_timeline
-from profiling.compare import COLOURS
+from profiling.charts import COLOURS
 
 # The workload: the benchmarks page's MLP (25.2M parameters, 96 MiB of gradients), at
 # half its batch so that four stages trace in a few minutes.
@@ -99,12 +100,12 @@ def draw(logdir: Path, out: Path) -> list[Path]:
         for r in ranks:
             t = step_timeline(traces[stage][r.rank], r.median.step)
             for phase, intervals in t["compute"].items():
-                ax.broken_barh(_bars(intervals), (y - 0.35, 0.7), color=COLOURS[phase])
+                ax.broken_barh(report.bars(intervals), (y - 0.35, 0.7), color=COLOURS[phase])
             ticks.append(y)
             labels.append(f"rank {r.rank} compute")
             y -= 1
             ax.broken_barh(
-                _bars(t["communication"]),
+                report.bars(t["communication"]),
                 (y - 0.35, 0.7),
                 color=COLOURS["gloo"],
                 edgecolor="white",  # so back-to-back all-reduces show as separate bars
@@ -128,10 +129,6 @@ def draw(logdir: Path, out: Path) -> list[Path]:
         written.append(path)
         print(f"wrote {path}", file=sys.stderr)
     return written
-
-
-def _bars(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    return [(start, end - start) for start, end in intervals]
 
 
 if __name__ == "__main__":

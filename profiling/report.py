@@ -86,6 +86,11 @@ def produced_by(commands: list[str], how: str = "") -> str:
     return f"Produced by {' then '.join(f'`{c}`' for c in commands)}{how}."
 
 
+def bars(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals as matplotlib's broken_barh takes them: (start, width)."""
+    return [(start, end - start) for start, end in intervals]
+
+
 def markdown_table(header: list[str], body: list[list[str]], left: int = 1) -> str:
     """A Markdown table: the first `left` columns aligned left (labels), the rest right
     (numbers)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from profiling import compare
+from profiling import charts, compare
 from profiling.analysis import (
     TraceFormatError,
     analyse_runs,
@@ -281,7 +281,7 @@ def test_gloo_on_cuda_tensors_is_communication_on_cpu_threads():
     (step,) = analyse_trace(trace)
     assert (step.compute_ms, step.communication_ms, step.hidden_ms) == (50, 40, 20)
     assert (step.collectives, step.bytes, step.gpu_end_ms) == (1, 1024, 60)
-    lanes = compare.timeline_lanes({"gloo": {0: trace}}, analyse_runs({"gloo": {0: trace}}), None)
+    lanes = charts.timeline_lanes({"gloo": {0: trace}}, analyse_runs({"gloo": {0: trace}}), None)
     assert [lane.label for lane in lanes] == [
         "gloo, rank 0, step 3: stream 7 (compute)",
         "gloo, rank 0, step 3: Gloo threads (CPU)",
@@ -364,7 +364,7 @@ def test_traces_in_a_format_not_read_here_are_refused_saying_what_was_found():
 def test_the_timeline_shows_each_ranks_compute_and_nccl_streams(traces):
     found = {"ddp": {0: traces[DDP]}, "lag": {0: traces[LAG]}}
     results = analyse_runs(found)
-    lanes = compare.timeline_lanes(found, results, ranks=None)
+    lanes = charts.timeline_lanes(found, results, ranks=None)
     labels = [lane.label for lane in lanes]
     assert labels == [
         "ddp, rank 0, step 4: stream 7 (compute)",
@@ -383,7 +383,7 @@ def test_the_timeline_shows_each_ranks_compute_and_nccl_streams(traces):
         ]
         expected = reference(found[r.run][0])[r.median.step]
         assert sweep(nccl, [])[0] == pytest.approx(expected["communication_ms"])
-    legend = compare.timeline_legend(lanes)
+    legend = charts.timeline_legend(lanes)
     assert legend == [
         "compute kernels, copies, memsets (GPU)",
         "NCCL kernels (GPU)",
@@ -394,7 +394,7 @@ def test_the_timeline_shows_each_ranks_compute_and_nccl_streams(traces):
 def test_the_breakdown_title_says_where_the_traces_came_from(traces, tmp_path):
     results = analyse_runs({"ddp": {0: traces[DDP]}})
     heading = compare.describe(tmp_path, results, command=None)
-    assert compare.breakdown_title(heading) == f"traces in {tmp_path}, command unknown"
+    assert charts.breakdown_title(heading) == f"traces in {tmp_path}, command unknown"
     assert "GPU runs (ddp)" in heading
 
 

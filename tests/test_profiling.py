@@ -1,4 +1,4 @@
-"""The trace analysis (profiling/analysis.py) and the compare command (profiling/compare.py).
+"""The trace analysis (profiling/analysis/) and the compare command (profiling/compare.py).
 
 Hand-built traces check the interval arithmetic against numbers worked out by hand; the
 main job's own traces (the `profile_logdir` fixture: CNN, 2 ranks, 2 traced steps) are

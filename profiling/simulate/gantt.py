@@ -29,7 +29,7 @@ def draw(step: Step, caption: str, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from profiling.compare import COLOURS
+    from profiling.charts import COLOURS
 
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.6))
