@@ -26,7 +26,7 @@ class NaiveDDP(nn.Module):
     """Stage 1: all-reduce every parameter's gradient after backward."""
 
     # What one synchronised backward sends, in order, as the test suite checks it (its
-    # property 6): one all-reduce per trainable parameter. Later stages change this.
+    # property 4): one all-reduce per trainable parameter. Later stages change this.
     collectives: tuple[str, ...] = ("all_reduce per parameter",)
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):

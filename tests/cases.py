@@ -18,7 +18,7 @@ from tests.compare import clone
 from tests.models import NetSpec, build_net
 
 # What a stage may declare in `collectives`, each standing for some collectives of one
-# synchronised backward (tests/test_suite.py, property 6, says which).
+# synchronised backward (tests/test_suite.py, property 4, says which).
 PER_PARAMETER, PER_BUCKET = "all_reduce per parameter", "all_reduce per bucket"
 READY_ORDER, STATUS = "broadcast of the ready order, once", "all_reduce of the status"
 STATIC_USED = "all_reduce of the used parameters, static_graph's first step"

@@ -76,9 +76,16 @@ def test_slowest_rank_of_each_repeat_then_medians():
     assert [g.ready_s for g in w.grads] == [2.0, 3.0]  # of 1.5,3,2 and 2,5,3
 
 
-def test_inputs_use_one_thread():
-    measure_workload(Config(model="mlp", width=16, depth=2, batch_size=4), repeats=1, warmup=0)
-    assert torch.get_num_threads() == 1
+def test_inputs_time_on_one_thread_and_give_the_callers_back():
+    from profiling.simulate_cpu.inputs import time_repeats
+
+    before, seen = torch.get_num_threads(), []
+    cfg = Config(model="mlp", width=16, depth=2, batch_size=4)
+    time_repeats(
+        cfg, repeats=2, warmup=1, before_repeat=lambda: seen.append(torch.get_num_threads())
+    )
+    assert seen == [1, 1, 1]
+    assert torch.get_num_threads() == before  # no setting leaks to the tests after this one
 
 
 def test_the_compute_is_pooled_over_the_repeats_in_a_row_and_every_spell_by_hand():

@@ -563,8 +563,8 @@ def predicted_again(data: dict) -> dict[Run, float]:
 def test_run_z_predicted_again_is_as_predicted_and_its_stages_own_time_counts():
     # Run Z, the first whose calibrations timed each stage's own step: predicted again
     # from its kept calibrations, every run comes out as it was predicted before it was
-    # measured. Without the stages' own time the same measurement scores worse: its
-    # worst run 19.9% against 14.9%, the CNN's drop_in short by more.
+    # measured. Without the stages' own time the same measurement scores worse, and the
+    # CNN's drop_in, whose own time is the largest part of its step, is predicted short.
     import copy
 
     data = json.loads((RESULTS / "simulate-validate-z.json").read_text())
@@ -578,8 +578,8 @@ def test_run_z_predicted_again_is_as_predicted_and_its_stages_own_time_counts():
     less = predicted_again(without)
     measured = measurements(data["bench"])
     with_own, without_own = analyse(now, measured), analyse(less, measured)
-    assert round(with_own["worst_error_pct"], 1) == 14.9
-    assert round(without_own["worst_error_pct"], 1) == 19.9
+    assert with_own["worst_error_pct"] < without_own["worst_error_pct"]
+    assert with_own["median_error_pct"] <= without_own["median_error_pct"]
     drop_in = [r for r in now if r.model == "cnn" and r.stage == "drop_in"]
     assert all(less[r] < now[r] for r in drop_in)
 

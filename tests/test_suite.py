@@ -1,5 +1,13 @@
 """The one suite: every stage and torch's own DDP, checked on real Gloo groups against
-single-process training (six properties, numbered below), with hypothesis drawing cases."""
+single-process training, with hypothesis drawing cases. Four properties, numbered in
+`check_case`:
+
+1. replicas start identical, although every rank initialised its own weights;
+2. after every optimizer step, parameters are bit-identical on all ranks;
+3. gradients and parameters equal one process's on the whole batch, every step (with k
+   micro-batches under no_sync: on the k-times larger batch);
+4. the collectives of each synchronised backward are the ones the stage declares
+   (`collectives`), and there are none inside no_sync."""
 
 from __future__ import annotations
 
@@ -114,8 +122,8 @@ def check_case(pool, case: Case) -> None:
         for step, (mine, theirs) in enumerate(zip(run.params, rank0.params, strict=True)):
             for a, b in zip(mine, theirs, strict=True):
                 assert torch.equal(a, b), f"rank {rank} differs from rank 0 after step {step}"
-    # 3 and 5. Equal to one process on the whole batch (k micro-batches: the k-times
-    # larger batch), gradients and parameters, every step.
+    # 3. Equal to one process on the whole batch (k micro-batches: the k-times larger
+    # batch), gradients and parameters, every step.
     reference = reference_run(case, rank0.init)
     for step in range(case.steps):
         for i, (g, g_ref) in enumerate(zip(rank0.grads[step], reference.grads[step], strict=True)):
@@ -136,7 +144,7 @@ def check_case(pool, case: Case) -> None:
                 **tolerance(p),
                 msg=lambda m, i=i, step=step: f"param {i} step {step}: {m}",
             )
-    # 6. Collectives per synchronised backward are what the stage declares (its
+    # 4. Collectives per synchronised backward are what the stage declares (its
     # `collectives`); none inside no_sync.
     model = build_net(case.net, seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -75,6 +75,7 @@ def time_repeats(
     for it after, to time backward with communication in flight)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    threads_before = torch.get_num_threads()  # the caller's, given back at the end
     torch.set_num_threads(threads)
     model = rank_model(cfg, rank)  # as the bench builds a rank's model
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
@@ -120,6 +121,7 @@ def time_repeats(
     finally:
         for handle in handles:
             handle.remove()
+        torch.set_num_threads(threads_before)
     return grads, out
 
 
