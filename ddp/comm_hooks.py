@@ -5,7 +5,7 @@ hands `hook(state, bucket)` one bucket whose flat buffer holds this rank's local
 gradients, not yet divided by the world size, and the hook returns a
 `torch.futures.Future` whose value is the bucket's average over the ranks. Each hook
 here is a short reimplementation of the one in torch.distributed.algorithms
-.ddp_comm_hooks, and tests/test_comm_hooks.py checks it against torch's on the same
+.ddp_comm_hooks, and tests/test_comm_hook_functions.py checks it against torch's on the same
 inputs. torch's Python hooks take our GradBucket too (they only call its methods).
 One has no counterpart in torch: `point_to_point_hook` averages with our own
 all-reduce from sends and receives (`ddp.collectives`: naive, ring, halving-doubling,
