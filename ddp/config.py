@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, NoReturn
 
@@ -21,11 +22,29 @@ BACKENDS = ("gloo", "nccl", "auto")
 
 
 def option(
-    default: Any, help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A field with its `--help` text, and if only some values work, its choices; `metavar`
-    names its value in --help (default: N for integers, X for other numbers)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+    names its value in --help (default: N for integers, X for other numbers); `parse`
+    reads the flag's text (default: the type of `default`)."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "parse": parse}
+    return field(default=default, metadata=metadata)
+
+
+def bucket_cap(text: str) -> float | str:
+    """--bucket-cap-mb: MiB, or `auto` for the stages that measure their own."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give MiB (a number) or auto (auto_bucket and later stages)"
+        ) from None
 
 
 @dataclass
@@ -48,8 +67,12 @@ class Config:
     accumulation_steps: int = option(
         1, "micro-batches per optimizer step; no_sync() on all but the last"
     )
-    bucket_cap_mb: float = option(
-        25.0, "MiB of gradient bytes per bucket, as in torch's DDP", metavar="MIB"
+    bucket_cap_mb: float | str = option(
+        25.0,
+        "MiB of gradient bytes per bucket, as in torch's DDP, or auto: measured (the stages "
+        "that take it, auto_bucket and later)",
+        metavar="MIB|auto",
+        parse=bucket_cap,
     )
     backend: str = option(
         "auto", "gloo (CPU), nccl (one GPU per rank), or auto: nccl where CUDA is", BACKENDS
@@ -99,8 +122,8 @@ class Config:
             raise ValueError(f"--global-batch-size must be >= 0, got {self.global_batch_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"--bucket-cap-mb must be > 0 MiB, got {self.bucket_cap_mb}")
+        if self.bucket_cap_mb != "auto" and not self.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb must be > 0 MiB or auto, got {self.bucket_cap_mb}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a finite number >= 0, got {self.lr}")
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
@@ -187,7 +210,8 @@ def add_options(
         text = help.get(f.name, f.metadata.get("help", ""))
         choices = f.metadata.get("choices")
         metavar = f.metadata.get("metavar") or METAVARS.get(type(f.default), "TEXT")
-        kwargs = {"type": type(f.default), "metavar": None if choices else metavar}
+        parse = f.metadata.get("parse") or type(f.default)
+        kwargs = {"type": parse, "metavar": None if choices else metavar}
         if isinstance(f.default, bool):  # a switch: given or not
             kwargs = {"action": "store_true", "default": default}
         if f.name in not_applicable:
@@ -232,10 +256,12 @@ def parse_config(
     module: str,
     description: str | None = None,
     not_applicable: dict[str, str] | None = None,
+    auto_bucket_cap: bool = False,
 ) -> Config:
     """Config from the command line of `torchrun ... -m MODULE`. Refuses with the usage
     line, before any process group or model exists: a value no run could use, an option in
-    `not_applicable`, and what this launch cannot do (no torchrun, nccl without CUDA, a
+    `not_applicable`, `--bucket-cap-mb auto` unless the stage measures its own
+    (`auto_bucket_cap`), and what this launch cannot do (no torchrun, nccl without CUDA, a
     global batch that does not split over WORLD_SIZE ranks)."""
     not_applicable = not_applicable or {}
     parser = config_parser(module, description, not_applicable)
@@ -245,6 +271,9 @@ def parse_config(
         cfg = Config(**vars(args))
     except ValueError as error:
         parser.error(str(error))
+    if cfg.bucket_cap_mb == "auto" and not auto_bucket_cap:
+        parser.error(f"--bucket-cap-mb auto: {module} takes a number of MiB; auto is for "
+                     "the stages that measure their own (auto_bucket and later)")  # fmt: skip
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error(
             "RANK and WORLD_SIZE are not set: launch with torchrun, e.g. "

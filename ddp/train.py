@@ -241,9 +241,19 @@ def synchronize(device: torch.device) -> None:
 def stage_wrap(stage_cls: type[nn.Module]) -> Wrap:
     """Wrap with `stage_cls`, giving it the config's bucket cap if it has buckets (the
     first stage sends each gradient on its own)."""
-    if "bucket_cap_mb" in keyword_options(stage_cls):
-        return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    return lambda model, cfg: stage_cls(model)
+    takes_auto = getattr(stage_cls, "measures_bucket_cap", False)
+
+    def wrap(model: nn.Module, cfg: Config) -> nn.Module:
+        if cfg.bucket_cap_mb == "auto" and not takes_auto:
+            raise ValueError(
+                f"--bucket-cap-mb auto: {stage_cls.__name__} takes a number of MiB; auto is "
+                "for the stages that measure their own (auto_bucket and later)"
+            )
+        if "bucket_cap_mb" in keyword_options(stage_cls):
+            return stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+        return stage_cls(model)
+
+    return wrap
 
 
 def keyword_options(stage_cls: type[nn.Module]) -> set[str]:
@@ -261,6 +271,8 @@ def keyword_options(stage_cls: type[nn.Module]) -> set[str]:
 
 
 def torch_ddp_wrap(model: nn.Module, cfg: Config) -> nn.Module:
+    if cfg.bucket_cap_mb == "auto":
+        raise ValueError("--bucket-cap-mb auto: torch's DDP takes a number of MiB")
     device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
     return nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb
@@ -331,6 +343,7 @@ def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult
         not_applicable={}
         if buckets
         else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"},
+        auto_bucket_cap=getattr(stage_cls, "measures_bucket_cap", False),
     )
     steady_heap()  # step times that do not hang on what the process freed before
     device = setup_process_group(cfg.backend, cfg.timeout)

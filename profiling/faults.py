@@ -154,21 +154,29 @@ def table(trials: list[Trial], want: str, reference_s: float) -> str:
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     """The harness's command line; its defaults are the run of docs/when-a-rank-dies.md."""
     parser = argparse.ArgumentParser(
-        prog="python -m profiling.faults", description=__doc__.split("\n\n")[0]
+        prog="python -m profiling.faults",
+        description=__doc__.split("\n\n")[0]
+        + " Trains the drop-in stage (stages.drop_in) on an MLP under torchrun; a trial "
+        "takes about 10 s on two cores, so --trials 200 about 35 minutes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0, help="draws of rank, step and phase")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--max-restarts", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--every", type=int, default=7, help="--checkpoint-every")
-    parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    parser.add_argument("--hang-s", type=float, default=180.0, help="a trial this long hangs")
-    parser.add_argument("--out", type=Path, help="also write the table and command here")
-    parser.add_argument("--verbose", action="store_true", help="print failed trials' output")
+    add = parser.add_argument
+    # fmt: off
+    add("--trials", type=int, default=20, help="trials, each one run with one killed worker")
+    add("--seed", type=int, default=0, help="seed of the draws of rank, step and phase")
+    add("--nproc", type=int, default=2, help="workers (torchrun --nproc-per-node)")
+    add("--max-restarts", type=int, default=3, help="torchrun's restarts before it gives up")
+    add("--width", type=int, default=512, help="MLP units per layer")
+    add("--depth", type=int, default=4, help="MLP layers")
+    add("--steps", type=int, default=120, help="optimizer steps of each run")
+    add("--warmup-steps", type=int, default=3, help="untimed steps before the timed ones")
+    add("--every", type=int, default=7, help="checkpoint every this many steps")
+    add("--bucket-cap-mb", type=float, default=1.0,
+        help="the stage's bucket cap, MiB (small: several buckets in flight to kill)")
+    add("--hang-s", type=float, default=180.0, help="a trial running this long is a hang")
+    add("--out", type=Path, help="also write the table and command here (Markdown)")
+    add("--verbose", action="store_true", help="print failed trials' output")
+    # fmt: on
     return parser.parse_args(argv)
 
 

@@ -73,6 +73,8 @@ class AutoBucketDDP(JoinDDP):
     """Stage 13: `bucket_cap_mb="auto"`: buckets cut where measured timings say
     communication ends first."""
 
+    measures_bucket_cap = True  # takes bucket_cap_mb="auto" (ddp.train's --bucket-cap-mb auto)
+
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | str = 25.0, **options):
         auto = bucket_cap_mb == "auto"
         if isinstance(bucket_cap_mb, str) and not auto:

@@ -118,6 +118,28 @@ def test_naive_refuses_a_bucket_cap(capsys) -> None:
     assert "--bucket-cap-mb does not apply: naive has no buckets" in err
 
 
+def test_bucket_cap_auto_where_the_stage_measures_its_own(capsys, monkeypatch) -> None:
+    from profiling.bench.options import parse_options
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = parse_config(["--bucket-cap-mb", "auto"], module="stages.auto_bucket",
+                       auto_bucket_cap=True)  # fmt: skip
+    assert cfg.bucket_cap_mb == "auto"
+    for parse in (
+        lambda: parse_config(["--bucket-cap-mb", "auto"], module="stages.bucketed"),
+        lambda: parse_config(["--bucket-cap-mb", "lots"], module="stages.auto_bucket"),
+        lambda: parse_options(["--bucket-cap-mb", "auto"]),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            parse()
+        assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bucket-cap-mb auto: stages.bucketed takes a number of MiB" in err
+    assert "'lots': give MiB (a number) or auto" in err
+    assert "the automatic bucket size is the drop_in_auto variant" in err
+
+
 def test_a_switch_that_does_not_apply_is_refused_by_name(capsys) -> None:
     from profiling.bench.options import parse_options
 

@@ -114,6 +114,9 @@ def parse_options(argv: list[str]) -> tuple[BenchOptions, Config]:
         cfg = Config(**{k: v for k, v in args.items() if k not in bench_names})
     except ValueError as error:
         parser.error(str(error))
+    if cfg.bucket_cap_mb == "auto":
+        parser.error("--bucket-cap-mb auto: every variant here takes MiB; the automatic "
+                     "bucket size is the drop_in_auto variant")  # fmt: skip
     if opts.network != "loopback":
         from profiling.cluster.network import parse_rate
 

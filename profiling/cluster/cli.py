@@ -57,27 +57,42 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m profiling.cluster", description=profiling.cluster.__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("up", help="create the namespaces, bridge and shaped links")
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # every option's help shows its default
+    p = sub.add_parser(
+        "up", formatter_class=defaults, help="create the namespaces, bridge and shaped links"
+    )
     p.add_argument("--ranks", type=int, default=2, help="nodes (one rank each)")
     p.add_argument("--rate", default="1gbit", type=_rate_arg, help="each link's rate, each way")
-    p = sub.add_parser("run", help="one torchrun node per namespace: run ... -- <torchrun args>")
+    p = sub.add_parser(
+        "run",
+        formatter_class=defaults,
+        help="one torchrun node per namespace: run ... -- <torchrun args>",
+    )
     p.add_argument("--id", help="which cluster (default: the one `up` made)")
     p.add_argument("--timeout", type=float, help="seconds before every node is killed")
-    p = sub.add_parser("probe", help="measure Gloo all-reduce bandwidth across the links")
+    p = sub.add_parser(
+        "probe", formatter_class=defaults, help="measure Gloo all-reduce bandwidth across the links"
+    )
     p.add_argument("--id", help="which cluster (default: the one `up` made)")
     p.add_argument("--megabytes", type=float, default=25.0, help="tensor size, MB")
     p.add_argument("--iterations", type=int, default=5, help="timed all-reduces")
-    p = sub.add_parser("down", help="remove what `up` created")
+    p = sub.add_parser("down", formatter_class=defaults, help="remove what `up` created")
     p.add_argument("--id", help="which cluster (default: the one `up` made)")
     p.add_argument(
         "--stale",
         action="store_true",
         help="instead: remove clusters whose owning process is gone (killed with -9)",
     )
-    sub.add_parser("status", help="list the clusters recorded, and whether they are there")
-    p = sub.add_parser("probe-worker", help="(internal) what `probe` runs under torchrun")
-    p.add_argument("--megabytes", type=float, default=25.0)
-    p.add_argument("--iterations", type=int, default=5)
+    sub.add_parser(
+        "status",
+        formatter_class=defaults,
+        help="list the clusters recorded, and whether they are there",
+    )
+    p = sub.add_parser(
+        "probe-worker", formatter_class=defaults, help="(internal) what `probe` runs under torchrun"
+    )
+    p.add_argument("--megabytes", type=float, default=25.0, help="tensor size, MB")
+    p.add_argument("--iterations", type=int, default=5, help="timed all-reduces")
     args = parser.parse_args(argv)
     if rest and args.command != "run":
         parser.error("`--` and torchrun arguments go with `run` only")
