@@ -60,9 +60,12 @@ class Config:
     depth: int = option(3, "MLP layers")
     steps: int = option(20, "timed optimizer steps")
     warmup_steps: int = option(3, "untimed steps first (allocations, lazy init)")
-    batch_size: int = option(32, "samples per rank per step; the global batch is W times this")
+    batch_size: int = option(
+        32, "samples per rank per micro-batch (per optimizer step with --accumulation-steps 1)"
+    )
     global_batch_size: int = option(
-        0, "if > 0, replaces --batch-size: samples per step over all W ranks (a multiple of W)"
+        0,
+        "if > 0, replaces --batch-size: samples per micro-batch over all W ranks (a multiple of W)",
     )
     accumulation_steps: int = option(
         1, "micro-batches per optimizer step; no_sync() on all but the last"

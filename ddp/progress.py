@@ -36,11 +36,14 @@ class Progress:
         self.finished_work = 0.0  # planned work of the finished runs, even if one stopped early
         self.drawn_at = 0.0
 
-    def start(self, name: str, steps: int, work: float | None = None, unit: str = "step") -> None:
+    def start(
+        self, name: str, steps: int, work: float | None = None, unit: str = "step", of: str = ""
+    ) -> None:
         """Run `name` begins: `steps` steps (or epochs: `unit`) holding `work` units of
-        work (default: one per step)."""
+        work (default: one per step). `of` says whose steps the median is, where a table
+        reports another figure (ddp.train's: the slowest rank's)."""
         self.index += 1
-        self.name, self.steps, self.unit = name, steps, unit
+        self.name, self.steps, self.unit, self.of = name, steps, unit, of
         self.run_work = steps if work is None else work
         self.run_work_done = 0.0
         self.step_s: list[float] = []
@@ -97,7 +100,7 @@ class Progress:
         """The median step of the run so far: robust to a slow first step."""
         seconds = statistics.median(self.step_s)
         took = f"{seconds * 1e3:.1f} ms" if seconds < 1 else duration(seconds)
-        return f"{took}/{self.unit}"
+        return f"{took}/{self.unit}" + (f" ({self.of})" if self.of else "")
 
     def _left(self) -> str:
         done = self.finished_work + self.run_work_done

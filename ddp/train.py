@@ -88,7 +88,9 @@ def train(
     times = []
     tracing = Tracing(cfg, name, rank, device) if cfg.profile_dir else None
     if progress is not None:
-        progress.start(name, total_steps - first_step)  # what is left after a restart
+        # What is left after a restart. Its median is this rank's, warm-up included; the
+        # table's is of the slowest rank of each timed step.
+        progress.start(name, total_steps - first_step, of="this rank, warm-up included")
     loss = torch.tensor(float("nan"))
     for step in range(first_step, total_steps):
         if fault is not None:
@@ -309,7 +311,9 @@ def format_table(
     base = next((r.median_step_s for r in results if r.name == reference), None)
     lines = [
         f"\nmodel={cfg.model} world={world} backend={backend} "
-        f"global batch={cfg.global_batch(world)} accumulation={cfg.accumulation_steps} "
+        f"global batch={cfg.global_batch(world) * cfg.accumulation_steps} per optimizer step "
+        f"({cfg.accumulation_steps} micro-batch{'es' if cfg.accumulation_steps > 1 else ''} "
+        f"of {cfg.global_batch(world)}) "
         + (f"bucket_cap_mb={cfg.bucket_cap_mb} " if buckets else "")
         + f"steps={cfg.steps} (median of the slowest rank per step)"
     ]

@@ -222,7 +222,10 @@ def test_table_aligns_for_the_longest_stage_name() -> None:
     assert_table_aligned(table, names)
 
 
-PROGRESS_LINE = re.compile(r"^\[(\d+)/(\d+)\] (\w+): (\d+) steps, [\d.]+ ms/step, [\d.]+ s; (.*)$")
+PROGRESS_LINE = re.compile(
+    r"^\[(\d+)/(\d+)\] (\w+): (\d+) steps, [\d.]+ ms/step(?: \(this rank, warm-up included\))?, "
+    r"[\d.]+ s; (.*)$"
+)
 
 
 def test_main_job_table_and_progress_on_a_pipe() -> None:
