@@ -86,6 +86,12 @@ class Config:
         "", "write torch.profiler traces and TensorBoard scalars under DIR/<run>", metavar="DIR"
     )
     profile_steps: int = option(3, "steps traced with --profile-dir, after the warm-up steps")
+    runs: str = option(
+        "",
+        "the main job's runs to train (python -m stages), comma-separated, e.g. "
+        "compute_only,overlapped,torch_ddp (default: all)",
+        metavar="NAMES",
+    )
     checkpoint_dir: str = option(
         "",
         "checkpoint under DIR/<run>, and resume from the newest committed checkpoint there "

@@ -344,9 +344,12 @@ def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult
         argv,
         module=f"stages.{stage_name}",
         description=stage_description(stage_cls, stage_name),
-        not_applicable={}
-        if buckets
-        else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"},
+        not_applicable={"runs": f"{stage_name} trains one run; --runs is python -m stages'"}
+        | (
+            {}
+            if buckets
+            else {"bucket_cap_mb": f"{stage_name} has no buckets, it all-reduces each gradient"}
+        ),
         auto_bucket_cap=getattr(stage_cls, "measures_bucket_cap", False),
     )
     steady_heap()  # step times that do not hang on what the process freed before

@@ -81,7 +81,8 @@ def plot_breakdown(path: Path, rows: list[RunSummary], title: str) -> None:
         ax.text(floor, len(rows) - 0.4, " compute-only step", va="bottom", fontsize=font)
     for y, r in enumerate(rows):
         if r.exposed_ms is not None and r.run != COMPUTE_ONLY:
-            ax.text(max(left[y], r.step_ms), y, f" exposed {r.exposed_ms:+.1f} ms",
+            noise = " (noise: faster than compute alone)" if r.exposed_ms < 0 else ""
+            ax.text(max(left[y], r.step_ms), y, f" exposed {r.exposed_ms:+.1f} ms{noise}",
                     va="center", fontsize=font)  # fmt: skip
     ax.set_xlabel("ms per step (mean over ranks of the median step)", fontsize=font)
     ax.set_xlim(0, max(left + [r.step_ms for r in rows]) * 1.3)

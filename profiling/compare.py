@@ -7,7 +7,13 @@ The first form runs the main job (`python -m stages`, under torch.distributed.ru
 --nproc ranks) with `--profile-dir LOGDIR`, so compute_only, every stage and torch's DDP
 train on the same workload one after another, each traced into its own TensorBoard run
 (LOGDIR/<run>/rank<r>.*.pt.trace.json.gz). Every option it does not know itself
-(--bucket-cap-mb, --batch-size, --steps, --profile-steps, ...) goes to the main job.
+(--bucket-cap-mb, --batch-size, --steps, --profile-steps, --runs NAMES to train only
+some runs, ...) goes to the main job.
+
+The table warns where its differences cannot be trusted: a run timed faster than
+compute_only (a negative exposed time), or differences smaller than the steps' spread.
+Each run is traced once, one after the other; for step times to compare, the benchmark
+(python -m profiling.bench) interleaves the runs and prints ratios.
 
 `--analyse-only LOGDIR` reads traces recorded any way, CPU (Gloo) or GPU (NCCL): every
 *.json[.gz] trace in LOGDIR/<run>/, whatever its name, its rank read from the trace.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import os
 import platform
 import shlex
 import shutil
@@ -113,10 +120,11 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     rows = rank_average(results)
     heading = describe(logdir, results, command)
     table = format_table(rows)
-    print("\n" + heading + "\n" + table)
+    warnings = noise_warnings(rows, results)
+    print("\n" + heading + "\n" + table + "".join(f"\nWARNING: {w}" for w in warnings))
     out.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
-    write_json(out / "profile.json", rows, results, heading, command)
+    write_json(out / "profile.json", rows, results, heading, command, warnings)
     write_csv(out / "profile.csv", rows, results)
     (out / "profile.md").write_text(markdown_table(rows) + "\n")
     plot_breakdown(figures / "profile-breakdown.png", rows, breakdown_title(heading))
@@ -127,6 +135,41 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     if not args.no_scalars:
         print(f"TensorBoard: tensorboard --logdir {logdir} --host 127.0.0.1")
     return rows
+
+
+def noise_warnings(rows: list[RunSummary], results: list[RankResult]) -> list[str]:
+    """Where the table's differences cannot be trusted: a run that communicates timed
+    faster than compute alone (a negative exposed time: the machine's pace moved between
+    runs), and differences smaller than the steps' own spread. One traced run each, one
+    after the other, cannot tell those apart; profiling.bench interleaves the runs and
+    prints ratios with their spread."""
+    out = []
+    negative = [r.run for r in rows if r.exposed_ms is not None and r.exposed_ms < 0]
+    if negative:
+        out.append(
+            f"{', '.join(negative)} timed faster than {COMPUTE_ONLY}, which does the same "
+            "compute and no communication: a negative exposed time is the machine's noise "
+            "(other work, a pace that moved between runs), not a measurement"
+        )
+    # The spread of each run's traced steps on each rank, against the exposed times shown.
+    spreads = [max(s.step_ms for s in r.steps) - min(s.step_ms for s in r.steps)
+               for r in results if len(r.steps) > 1]  # fmt: skip
+    exposed = [
+        abs(r.exposed_ms) for r in rows if r.exposed_ms is not None and r.run != COMPUTE_ONLY
+    ]
+    if spreads and exposed and sorted(spreads)[len(spreads) // 2] > min(exposed):
+        spread = sorted(spreads)[len(spreads) // 2]
+        out.append(
+            f"the traced steps of a run spread over {spread:.1f} ms (median over runs and "
+            f"ranks), more than the smallest exposed time shown ({min(exposed):.1f} ms): "
+            "differences that small are within the noise"
+        )
+    if out:
+        out.append(
+            "for step times to compare, use python -m profiling.bench, which interleaves "
+            "the runs in rounds and prints ratios with their spread"
+        )
+    return out
 
 
 def parse_ranks(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
@@ -169,7 +212,10 @@ def run_main_job(
         *stage_options, "--profile-dir", str(logdir),
     ]  # fmt: skip
     print("$ " + shlex.join(command), flush=True)
-    done = subprocess.run(command)
+    # Kineto logs a USDT start and stop line for every traced step of every run and rank;
+    # level 6 keeps them out of the progress (set KINETO_LOG_LEVEL to see them).
+    env = {"KINETO_LOG_LEVEL": "6", **os.environ}
+    done = subprocess.run(command, env=env)
     if done.returncode != 0:
         raise SystemExit(f"the main job failed (exit code {done.returncode})")
     (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
@@ -247,10 +293,11 @@ def _step_dict(step) -> dict:
     }
 
 
-def write_json(path: Path, rows, results, heading: str, command) -> None:
+def write_json(path: Path, rows, results, heading: str, command, warnings=()) -> None:
     data = {
         "heading": heading,
         "command": command,
+        "warnings": list(warnings),
         "runs": [dataclasses.asdict(r) for r in rows],
         "ranks": [
             {

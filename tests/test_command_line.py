@@ -391,3 +391,18 @@ def test_a_bad_results_file_is_named_not_a_traceback(tmp_path, reader, content, 
     with pytest.raises(SystemExit) as stopped:
         main_(argv)
     assert re.search(message.format(path=re.escape(str(path))), str(stopped.value))
+
+
+def test_the_main_job_trains_the_runs_asked_for() -> None:
+    out = torchrun(
+        2, "-m", "stages", "--width", "8", "--depth", "2", "--batch-size", "2", "--steps", "1",
+        "--warmup-steps", "0", "--runs", "overlapped,compute_only",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [
+        line.split()[0] for line in out.stdout.splitlines() if line.startswith(("comp", "over"))
+    ]
+    assert rows == ["compute_only", "overlapped"]  # in table order, only those
+    out = torchrun(2, "-m", "stages", "--runs", "overlaped", timeout=60)
+    assert out.returncode != 0
+    assert "--runs: no run ['overlaped']; pick from compute_only, naive" in out.stderr

@@ -440,3 +440,30 @@ def test_course_timelines_draw_two_lanes_per_rank_at_10_pt(profile_logdir, tmp_p
         assert 'width="576pt"' in svg
         sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]
         assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))
+
+
+def _rank(run: str, step_ms: list[float], exposed: float | None):
+    from profiling.analysis import RankResult, StepBreakdown
+
+    steps = [StepBreakdown(i, 0.0, ms, ms / 2, 1.0, 0.5, 1, 4, "collective args")
+             for i, ms in enumerate(step_ms)]  # fmt: skip
+    return RankResult(run, 0, steps, median_step(steps), exposed)
+
+
+def test_compare_warns_where_its_figures_are_noise():
+    # overlapped timed faster than compute alone: a negative exposed time.
+    results = [_rank("compute_only", [100, 101, 102], None),
+               _rank("overlapped", [95, 96, 97], -5.0),
+               _rank("bucketed", [140, 141, 142], 40.0)]  # fmt: skip
+    warnings = compare.noise_warnings(rank_average(results), results)
+    assert "overlapped timed faster than compute_only" in warnings[0]
+    assert "python -m profiling.bench" in warnings[-1]
+    # Steps that spread over 30 ms, against exposed times of 5 and 40 ms.
+    results[2] = _rank("bucketed", [110, 140, 170], 40.0)
+    results[1] = _rank("overlapped", [90, 105, 120], 5.0)
+    results[0] = _rank("compute_only", [70, 100, 130], None)
+    (spread, bench) = compare.noise_warnings(rank_average(results), results)
+    assert "spread over 60.0 ms" in spread and "smallest exposed time shown (5.0 ms)" in spread
+    # Steps that agree and a positive exposed time: nothing to warn about.
+    quiet = [_rank("compute_only", [100, 100.1], None), _rank("bucketed", [140, 140.1], 40.0)]
+    assert compare.noise_warnings(rank_average(quiet), quiet) == []

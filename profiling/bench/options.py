@@ -92,6 +92,7 @@ NOT_APPLICABLE = {
     "profile_dir": "tracing would time itself; profile with -m stages.<name>",
     "profile_steps": "nothing is traced here",
     "deterministic": "the benchmark times the kernels a run picks by default",
+    "runs": "the benchmark's runs are its --variants",
 }
 
 
