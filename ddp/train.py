@@ -344,7 +344,9 @@ def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult
         argv,
         module=f"stages.{stage_name}",
         description=stage_description(stage_cls, stage_name),
-        not_applicable={"runs": f"{stage_name} trains one run; --runs is python -m stages'"}
+        not_applicable={
+            "runs": f"{stage_name} trains one run; --runs picks the main job's (python -m stages)"
+        }
         | (
             {}
             if buckets

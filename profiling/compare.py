@@ -44,11 +44,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from profiling import report
 from profiling.analysis import (
     COMPUTE_ONLY,
+    COMPUTE_ONLY_AGAIN,
     RankResult,
     RunSummary,
     TraceFormatError,
@@ -144,7 +146,19 @@ def noise_warnings(rows: list[RunSummary], results: list[RankResult]) -> list[st
     after the other, cannot tell those apart; profiling.bench interleaves the runs and
     prints ratios with their spread."""
     out = []
-    negative = [r.run for r in rows if r.exposed_ms is not None and r.exposed_ms < 0]
+    base = {r.run: r.step_ms for r in rows if r.run in (COMPUTE_ONLY, COMPUTE_ONLY_AGAIN)}
+    exposed_shown = [abs(r.exposed_ms) for r in rows if r.exposed_ms is not None
+                     and r.run not in (COMPUTE_ONLY, COMPUTE_ONLY_AGAIN)]  # fmt: skip
+    if len(base) == 2 and exposed_shown:
+        gap = abs(base[COMPUTE_ONLY] - base[COMPUTE_ONLY_AGAIN])
+        if gap > min(exposed_shown):
+            out.append(
+                f"{COMPUTE_ONLY} took {base[COMPUTE_ONLY]:.1f} ms a step before the other runs "
+                f"and {base[COMPUTE_ONLY_AGAIN]:.1f} ms after them: the machine's pace moved "
+                f"by more ({gap:.1f} ms) than the smallest exposed time shown"
+            )
+    negative = [r.run for r in rows if r.exposed_ms is not None and r.exposed_ms < 0
+                and r.run not in (COMPUTE_ONLY, COMPUTE_ONLY_AGAIN)]  # fmt: skip
     if negative:
         out.append(
             f"{', '.join(negative)} timed faster than {COMPUTE_ONLY}, which does the same "
@@ -154,9 +168,7 @@ def noise_warnings(rows: list[RunSummary], results: list[RankResult]) -> list[st
     # The spread of each run's traced steps on each rank, against the exposed times shown.
     spreads = [max(s.step_ms for s in r.steps) - min(s.step_ms for s in r.steps)
                for r in results if len(r.steps) > 1]  # fmt: skip
-    exposed = [
-        abs(r.exposed_ms) for r in rows if r.exposed_ms is not None and r.run != COMPUTE_ONLY
-    ]
+    exposed = exposed_shown
     if spreads and exposed and sorted(spreads)[len(spreads) // 2] > min(exposed):
         spread = sorted(spreads)[len(spreads) // 2]
         out.append(
@@ -218,6 +230,25 @@ def run_main_job(
     done = subprocess.run(command, env=env)
     if done.returncode != 0:
         raise SystemExit(f"the main job failed (exit code {done.returncode})")
+    # The baseline again, after every other run, as the benchmark interleaves it: the
+    # exposed times subtract the mean of the two, and their gap says how far the pace moved.
+    runs = next((o.split("=", 1)[1] for o in stage_options if o.startswith("--runs=")), None)
+    if "--runs" in stage_options[:-1]:
+        runs = stage_options[stage_options.index("--runs") + 1]
+    if runs is not None and COMPUTE_ONLY not in runs.split(","):
+        (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
+        return command
+    with tempfile.TemporaryDirectory() as scratch:
+        again = [*command[: command.index("--profile-dir")], "--profile-dir", scratch]
+        if "--runs" in again:  # --runs NAMES as two words: the names go too
+            i = again.index("--runs")
+            del again[i : i + 2]
+        again = [*(a for a in again if not a.startswith("--runs=")), "--runs", COMPUTE_ONLY]
+        print(f"$ {shlex.join(again)}  # the baseline again", flush=True)
+        if subprocess.run(again, env=env).returncode == 0:
+            shutil.move(str(Path(scratch) / COMPUTE_ONLY), logdir / COMPUTE_ONLY_AGAIN)
+        else:
+            print(f"{COMPUTE_ONLY} again failed: the baseline is its first run alone")
     (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
     return command
 
@@ -242,7 +273,8 @@ def describe(logdir: Path, results: list[RankResult], command: list[str] | None)
         f"Python {m['python']}\n"
         f"{ranks} ranks, {'/'.join(map(str, traced))} traced steps per run; each "
         "row: mean over ranks of each rank's median traced step. exposed = step - "
-        f"{COMPUTE_ONLY} step (same rank); overlap = hidden / comm."
+        f"{COMPUTE_ONLY} step (same rank; with {COMPUTE_ONLY_AGAIN} traced after the other "
+        "runs, their mean); overlap = hidden / comm."
         + (
             f"\nGPU runs ({', '.join(gpu)}): a step's work is the GPU work it launched, "
             "wherever it ran; compute = its other kernels and copies, comm = its NCCL kernels."
@@ -340,7 +372,9 @@ def write_scalars(logdir: Path, results: list[RankResult]) -> None:
     communication next to the step time of the same run and rank."""
     from torch.utils.tensorboard import SummaryWriter
 
-    floor = {r.rank: r.median.step_ms for r in results if r.run == COMPUTE_ONLY}
+    # The baseline the table subtracts: exposed = median step - exposed_ms, per rank.
+    floor = {r.rank: r.median.step_ms - r.exposed_ms for r in results if r.run == COMPUTE_ONLY
+             and r.exposed_ms is not None}  # fmt: skip
     for r in results:
         folder = logdir / r.run / f"scalars-rank{r.rank}"
         folder.mkdir(parents=True, exist_ok=True)

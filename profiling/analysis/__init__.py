@@ -22,6 +22,7 @@ The parts, in the order a reader meets them:
 from profiling.analysis.formats import (
     COMMUNICATION_SPAN_PREFIXES,
     COMPUTE_ONLY,
+    COMPUTE_ONLY_AGAIN,
     COMPUTE_SPANS,
     GLOO_LANE,
     TraceFormatError,
@@ -41,6 +42,7 @@ from profiling.analysis.trace import analyse_trace, is_gpu_trace, median_step, s
 __all__ = [
     "COMMUNICATION_SPAN_PREFIXES",
     "COMPUTE_ONLY",
+    "COMPUTE_ONLY_AGAIN",
     "COMPUTE_SPANS",
     "GLOO_LANE",
     "Interval",

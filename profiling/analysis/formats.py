@@ -30,6 +30,9 @@ import re
 from profiling.analysis.intervals import Interval
 
 COMPUTE_ONLY = "compute_only"  # the run every other run's exposed communication refers to
+# The same, traced again after every other run (profiling.compare does): the baseline is
+# then the mean of the two, and how far they differ says how far the machine's pace moved.
+COMPUTE_ONLY_AGAIN = "compute_only_again"
 COMPUTE_SPANS = ("forward", "backward", "optimizer")  # ddp/train.py's record_function names
 # Main-thread spans and operators that are communication, not compute.
 COMMUNICATION_SPAN_PREFIXES = ("allreduce ", "wait for communication", "c10d::", "gloo:", "nccl:")

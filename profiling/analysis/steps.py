@@ -28,9 +28,11 @@ Definitions, per traced step of one rank:
 - communication not hidden: communication - hidden. With compute and the rest (other), it
   splits the step exactly: step = (compute - hidden) + hidden + not hidden + other. On a
   GPU, other is the part of a step's length in which none of its own work runs.
-- exposed communication: step time minus the `compute_only` run's step time, same rank.
-  It includes what the trace does not call communication (bucket copies, launch
-  overhead, waiting for the slower rank, a shared CPU) and is noisy: two medians.
+- exposed communication: step time minus the `compute_only` run's step time, same rank
+  (the mean of `compute_only` before every other run and `compute_only_again` after them,
+  where both were traced). It includes what the trace does not call communication
+  (bucket copies, launch overhead, waiting for the slower rank, a shared CPU) and is
+  noisy: two medians.
 - overlap: hidden / communication.
 - collectives per step: Gloo events that start in the step, or NCCL kernels launched in
   it. Bytes per step: their payload, from the tensor shapes and dtypes the profiler
