@@ -32,3 +32,18 @@ def profile_logdir(tmp_path_factory) -> Path:
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return logdir
+
+
+# The main job's traces, read and analysed (tests/test_analysis.py, tests/test_compare.py).
+@pytest.fixture(scope="module")
+def traces(profile_logdir):
+    from profiling.analysis import read_logdir
+
+    return read_logdir(profile_logdir)
+
+
+@pytest.fixture(scope="module")
+def results(traces):
+    from profiling.analysis import analyse_runs
+
+    return {(r.run, r.rank): r for r in analyse_runs(traces)}

@@ -1,6 +1,6 @@
 """The overlapped stage (`stages/overlapped.py`): each bucket's all-reduce launched from
 backward's hooks once its gradients are in, waited for at the end of backward. The
-suite's four properties (`tests.suite`) on worked cases; tests/test_profiling.py checks
+suite's four properties (`tests.suite`) on worked cases; tests/test_analysis.py checks
 in real traces that communication overlaps backward."""
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""The compare command (profiling/compare.py) on the main job's traces, its charts
+(profiling/charts.py), the course's timelines drawn from the same traces, and its
+warnings where its figures are noise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from profiling import compare
+from profiling.analysis import median_step, rank_average
+from stages import STAGES
+
+# ---------------------------------------------------------------------------------------
+# The command: --analyse-only on a copy (it writes scalars into the logdir).
+
+
+def test_compare_analyse_only_writes_table_files_charts_and_scalars(
+    profile_logdir, results, tmp_path, capsys
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "runs"
+    shutil.copytree(profile_logdir, logdir)
+    out = tmp_path / "out"
+    for _ in range(2):  # the second analysis replaces the first's scalars
+        rows = compare.main(["--analyse-only", str(logdir), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert [r.run for r in rows] == ["compute_only", *STAGES, "torch_ddp"]
+    for row in rows:
+        assert row.run in printed
+    data = json.loads((out / "profile.json").read_text())
+    assert [r["run"] for r in data["runs"]] == [r.run for r in rows]
+    assert len(data["ranks"]) == 2 * len(rows)
+    csv_lines = (out / "profile.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + 3 * len(rows)  # header, 2 ranks and the mean per run
+    for name in ("profile-breakdown.png", "profile-timeline.png"):
+        png = (out / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) < 150_000
+
+    folder = logdir / "naive" / "scalars-rank0"
+    assert len(list(folder.glob("*.analysis"))) == 1
+    events = EventAccumulator(str(folder)).Reload()
+    assert "step time ms" in events.Tags()["scalars"]  # the loop's own, still there
+    exposed = events.Scalars("exposed communication ms")
+    floor = results["compute_only", 0].median.step_ms
+    naive = results["naive", 0]
+    assert [e.step for e in exposed] == [s.step for s in naive.steps]
+    for e, s in zip(exposed, naive.steps, strict=True):
+        assert e.value == pytest.approx(s.step_ms - floor, rel=1e-5)
+
+
+def test_compare_charts_are_legible_at_page_width(profile_logdir, tmp_path, monkeypatch):
+    from tests.figures import assert_legible, record_font_sizes
+
+    sizes = record_font_sizes(monkeypatch)
+    compare.main(["--analyse-only", str(profile_logdir), "--out", str(tmp_path), "--no-scalars"])
+    for name in ("profile-breakdown.png", "profile-timeline.png"):
+        assert_legible(tmp_path / name, sizes)
+
+
+def test_compare_will_not_overwrite_traces_without_being_asked(profile_logdir):
+    with pytest.raises(SystemExit, match="already holds traced runs"):
+        compare.main(["--logdir", str(profile_logdir)])
+
+
+def test_course_timelines_draw_two_lanes_per_rank_at_10_pt(profile_logdir, tmp_path):
+    import re
+
+    from profiling import course_timelines
+
+    written = course_timelines.draw(profile_logdir, tmp_path)
+    assert [p.name for p in written] == [f"timeline-{s}.svg" for s in course_timelines.STAGES]
+    for path in written:
+        svg = path.read_text()
+        assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+        for lane in ("rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"):
+            assert lane in svg, (path.name, lane)
+        # Drawn 576 pt wide (8 in), shown at about the page's width: 10 pt text stays 10 pt.
+        assert 'width="576pt"' in svg
+        sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]
+        assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))
+
+
+def _rank(run: str, step_ms: list[float], exposed: float | None):
+    from profiling.analysis import RankResult, StepBreakdown
+
+    steps = [StepBreakdown(i, 0.0, ms, ms / 2, 1.0, 0.5, 1, 4, "collective args")
+             for i, ms in enumerate(step_ms)]  # fmt: skip
+    return RankResult(run, 0, steps, median_step(steps), exposed)
+
+
+def test_compare_warns_where_its_figures_are_noise():
+    # overlapped timed faster than compute alone: a negative exposed time.
+    results = [_rank("compute_only", [100, 101, 102], None),
+               _rank("overlapped", [95, 96, 97], -5.0),
+               _rank("bucketed", [140, 141, 142], 40.0)]  # fmt: skip
+    warnings = compare.noise_warnings(rank_average(results), results)
+    assert "overlapped timed faster than compute_only" in warnings[0]
+    assert "python -m profiling.bench" in warnings[-1]
+    # Steps that spread over 30 ms, against exposed times of 5 and 40 ms.
+    results[2] = _rank("bucketed", [110, 140, 170], 40.0)
+    results[1] = _rank("overlapped", [90, 105, 120], 5.0)
+    results[0] = _rank("compute_only", [70, 100, 130], None)
+    (spread, bench) = compare.noise_warnings(rank_average(results), results)
+    assert "spread over 60.0 ms" in spread and "smallest exposed time shown (5.0 ms)" in spread
+    # Steps that agree and a positive exposed time: nothing to warn about.
+    quiet = [_rank("compute_only", [100, 100.1], None), _rank("bucketed", [140, 140.1], 40.0)]
+    assert compare.noise_warnings(rank_average(quiet), quiet) == []
