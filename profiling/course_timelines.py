@@ -19,6 +19,7 @@ an error. About 3 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,10 @@ def run(logdir: Path) -> None:
         for stage, options in STAGES.items():
             print(f"tracing {stage} ...", file=sys.stderr, flush=True)
             job = ["-m", f"stages.{stage}", *WORKLOAD, *TRACING, *options]
-            subprocess.run([*cluster, "run", "--", *job, "--profile-dir", str(logdir)], check=True)
+            # Kineto's USDT start/stop lines stay out of the console (as profiling.compare).
+            env = {"KINETO_LOG_LEVEL": "6", **os.environ}
+            command = [*cluster, "run", "--", *job, "--profile-dir", str(logdir)]
+            subprocess.run(command, check=True, env=env)
     finally:
         subprocess.run([*cluster, "down"], check=True)
 

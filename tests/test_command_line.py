@@ -226,7 +226,7 @@ def test_table_aligns_for_the_longest_stage_name() -> None:
 
 
 PROGRESS_LINE = re.compile(
-    r"^\[(\d+)/(\d+)\] (\w+): (\d+) steps, [\d.]+ ms/step(?: \(this rank, warm-up included\))?, "
+    r"^\[(\d+)/(\d+)\] (\w+): (\d+) steps, [\d.]+ ms/step \(this rank, warm-up included\), "
     r"[\d.]+ s; (.*)$"
 )
 
@@ -239,6 +239,9 @@ def test_main_job_table_and_progress_on_a_pipe() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     names = list(standard_runs())
     assert_table_aligned(out.stdout, names)
+    # The batch per optimizer step, and what it is made of; the progress line's step time
+    # says whose it is, beside the table's.
+    assert "global batch=4 per optimizer step (1 micro-batch of 4)" in out.stdout
     # Not a terminal: no redrawing, one line per finished run, from rank 0 alone, and
     # nothing else (torchrun prints its OMP_NUM_THREADS notice only when that is unset).
     assert "\r" not in out.stderr and "\x1b" not in out.stderr

@@ -1,7 +1,7 @@
-"""The project's layers, read from its source: `ddp` below `stages` below `profiling`, and
-no module that imports one which imports it back, by any path. Every import counts:
-at the top, inside a function, or under `TYPE_CHECKING`, since each is a dependency a
-reader must hold in mind."""
+"""The project's layout, read from its source: `ddp` below `stages` below `profiling`; no
+module that imports one which imports it back, by any path (every import counts: at the
+top, inside a function, or under `TYPE_CHECKING`, since each is a dependency a reader
+must hold in mind); and no file in `profiling/` longer than a reader takes in at once."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def test_each_layer_imports_only_the_layers_below_it():
         if LAYERS.index(dep.split(".")[0]) > LAYERS.index(module.split(".")[0])
     ]
     assert wrong == []
+
+
+def test_no_file_in_profiling_is_over_500_lines():
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in (ROOT / "profiling").rglob("*.py")}  # fmt: skip
+    assert {path: n for path, n in lines.items() if n > 500} == {}
 
 
 def test_a_cycle_is_found_by_hand():
