@@ -144,3 +144,23 @@ def test_emulated_delay_is_paid_once_per_step(pool) -> None:
         assert steps * DELAY_S <= slowest < (steps + 0.75) * DELAY_S, (
             f"{algorithm}: {slowest:.3f} s with {DELAY_S} s per step; {steps} steps expected"
         )
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+def test_the_ring_figure_follows_the_rings_schedule(p, tmp_path, monkeypatch):
+    from profiling.collectives.ring_figure import draw, ring_steps
+    from tests.figures import assert_legible, record_font_sizes
+
+    steps = ring_steps(p)
+    assert len(steps) == 1 + 2 * (p - 1)
+    everyone = frozenset(range(p))
+    # After the reduce-scatter, rank r holds the whole sum of chunk r + 1 (the page's
+    # table), and no other chunk whole; after the all-gather, every rank holds all.
+    _, _, reduced = steps[p - 1]
+    for r in range(p):
+        assert [c for c in range(p) if reduced[r][c] == everyone] == [(r + 1) % p]
+    assert all(chunk == everyone for rank in steps[-1][2] for chunk in rank)
+    if p == 4:
+        sizes = record_font_sizes(monkeypatch)
+        draw(p, tmp_path / "ring.png")
+        assert_legible(tmp_path / "ring.png", sizes)
