@@ -242,20 +242,11 @@ def synchronize(device: torch.device) -> None:
 
 def stage_wrap(stage_cls: type[nn.Module]) -> Wrap:
     """Wrap with `stage_cls`, giving it the config's bucket cap if it has buckets (the
-    first stage sends each gradient on its own)."""
-    takes_auto = getattr(stage_cls, "measures_bucket_cap", False)
-
-    def wrap(model: nn.Module, cfg: Config) -> nn.Module:
-        if cfg.bucket_cap_mb == "auto" and not takes_auto:
-            raise ValueError(
-                f"--bucket-cap-mb auto: {stage_cls.__name__} takes a number of MiB; auto is "
-                "for the stages that measure their own (auto_bucket and later)"
-            )
-        if "bucket_cap_mb" in keyword_options(stage_cls):
-            return stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
-        return stage_cls(model)
-
-    return wrap
+    first stage sends each gradient on its own). `--bucket-cap-mb auto` never gets here
+    for a stage that does not measure its own: `parse_config` refuses it."""
+    if "bucket_cap_mb" in keyword_options(stage_cls):
+        return lambda model, cfg: stage_cls(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    return lambda model, cfg: stage_cls(model)
 
 
 def keyword_options(stage_cls: type[nn.Module]) -> set[str]:
@@ -273,8 +264,6 @@ def keyword_options(stage_cls: type[nn.Module]) -> set[str]:
 
 
 def torch_ddp_wrap(model: nn.Module, cfg: Config) -> nn.Module:
-    if cfg.bucket_cap_mb == "auto":
-        raise ValueError("--bucket-cap-mb auto: torch's DDP takes a number of MiB")
     device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
     return nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb

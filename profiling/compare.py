@@ -168,12 +168,11 @@ def noise_warnings(rows: list[RunSummary], results: list[RankResult]) -> list[st
     # The spread of each run's traced steps on each rank, against the exposed times shown.
     spreads = [max(s.step_ms for s in r.steps) - min(s.step_ms for s in r.steps)
                for r in results if len(r.steps) > 1]  # fmt: skip
-    exposed = exposed_shown
-    if spreads and exposed and sorted(spreads)[len(spreads) // 2] > min(exposed):
-        spread = sorted(spreads)[len(spreads) // 2]
+    spread = sorted(spreads)[len(spreads) // 2] if spreads else 0.0  # the median
+    if exposed_shown and spread > min(exposed_shown):
         out.append(
             f"the traced steps of a run spread over {spread:.1f} ms (median over runs and "
-            f"ranks), more than the smallest exposed time shown ({min(exposed):.1f} ms): "
+            f"ranks), more than the smallest exposed time shown ({min(exposed_shown):.1f} ms): "
             "differences that small are within the noise"
         )
     if out:

@@ -101,8 +101,7 @@ def run(args: argparse.Namespace) -> None:
     paths = [Path(args.markdown)] if args.markdown else []
     if not args.no_files:
         results, _ = outputs.folders(args)
-        model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
-        paths.append(results / f"buckets-{model}-{args.cluster}.md")
+        paths.append(results / f"buckets-{outputs.stem(args.model)}-{args.cluster}.md")
     for path in paths:
         path.write_text(text)
         print(f"wrote {path}")

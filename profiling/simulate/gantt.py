@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> None:
     if args.no_files:
         return
     _, images = outputs.folders(args)
-    model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
-    path = images / f"gantt-{model}-{args.cluster}-{args.gpus}gpus.svg"
+    path = images / f"gantt-{outputs.stem(args.model)}-{args.cluster}-{args.gpus}gpus.svg"
     caption = (
         f"simulated: {args.model.rpartition(':')[2]} on {args.gpus} GPUs of {name}, "
         f"{args.bucket_cap_mb:g} MiB buckets"

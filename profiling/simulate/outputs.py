@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-files", action="store_true", help="print only")
 
 
+def stem(model: str) -> str:
+    """A file name's part for `--model`: a preset's name, or MODULE:FACTORY made safe."""
+    return model.replace(":", "-").replace(".", "_").replace("/", "_")
+
+
 def repository_docs() -> Path:
     """The checkout's docs/ folder; an installed copy has none."""
     docs = Path(__file__).resolve().parents[2] / "docs"

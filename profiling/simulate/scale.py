@@ -207,8 +207,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
     if args.no_files:
         return
-    model = args.model.replace(":", "-").replace(".", "_").replace("/", "_")
-    stem = f"scale-{model}-{args.cluster}" + ("-custom" if custom else "")
+    stem = f"scale-{outputs.stem(args.model)}-{args.cluster}" + ("-custom" if custom else "")
     results, images = outputs.folders(args)
     json_path = results / f"{stem}.json"
     md_path = args.markdown or results / f"{stem}.md"
