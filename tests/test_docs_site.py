@@ -33,6 +33,7 @@ PAGES = [
     "benchmarks/",
     *(f"bench/{p.stem}/" for p in sorted((ROOT / "docs/bench").glob("*.md"))),
     "scaling/",
+    "anatomy/",
 ]
 # Source that should have been rendered: snippet includes, the hooks' placeholders, a
 # bullet or an admonition that Markdown took for a paragraph.
@@ -144,3 +145,58 @@ def test_page_renders_whole(page, served: str, path: str) -> None:
 
 def _around(text: str, found: re.Match) -> str:
     return text[max(found.start() - 60, 0) : found.end() + 60]
+
+
+# "Anatomy of a step": the page's JavaScript against profiling/anatomy.py's step model.
+ANATOMY_GRID = [
+    (model, stage, layout, gbit_s, latency_s, micro)
+    for model in ("mlp_2048x7", "mlp_1024x24")
+    for stage in ("naive", "bucketed", "overlapped", "skip_sync")
+    for layout in ("per_parameter", "1", "25", "100")
+    for gbit_s in (0.1, 1.0, 10.0, 100.0)
+    for latency_s in (0.0, 0.5e-3, 2e-3)
+    for micro in (1, 3)
+]
+
+
+def test_anatomy_page_computes_the_step_model(page, served: str) -> None:
+    from profiling import anatomy
+
+    data = anatomy.read_page_data(ROOT / "docs/js/anatomy-workload.js")
+    page.goto(served + "anatomy/", wait_until="load")
+    steps = page.evaluate(
+        "grid => grid.map(args => window.anatomyStep(...args))", [list(g) for g in ANATOMY_GRID]
+    )
+    for args, js in zip(ANATOMY_GRID, steps, strict=True):
+        model, stage, layout, gbit_s, latency_s, micro = args
+        m = data["models"][model]
+        workload = anatomy.from_json(m)
+        buckets = m["layouts"]["naive" if stage == "naive" else layout]
+        py = anatomy.step(workload, buckets, stage, gbit_s, latency_s, micro)
+        where = args
+        assert js["step_s"] == pytest.approx(py.step_s, rel=1e-9), where
+        assert js["compute_s"] == pytest.approx(py.compute_s, rel=1e-9), where
+        bound = anatomy.bound_s(workload, buckets, stage, gbit_s, latency_s, micro)
+        assert js["bound_s"] == pytest.approx(bound, rel=1e-9), where
+        assert py.step_s >= bound * (1 - 1e-9), where
+        for lane in ("compute", "comm"):  # every bar, where it starts and ends
+            bars = sorted((s["start"], s["end"]) for s in js["segments"] if s["lane"] == lane)
+            expected = sorted((s.start_s, s.end_s) for s in py.segments if s.lane == lane)
+            flat, flat_expected = ([t for bar in b for t in bar] for b in (bars, expected))
+            assert flat == pytest.approx(flat_expected, rel=1e-9), (where, lane)
+
+
+def test_anatomy_page_redraws_when_a_slider_moves(page, served: str) -> None:
+    page.goto(served + "anatomy/", wait_until="load")
+    summary = page.locator(".anatomy [data-out=summary]")
+    bars = page.locator(".anatomy svg rect[data-lane=comm]")
+    before, drawn = summary.inner_text(), page.locator(".anatomy svg").inner_html()
+    assert before.startswith("step ") and bars.count() == 6  # 25 MiB: six buckets
+    page.locator("#anatomy-bandwidth").fill("20")  # 1 -> 10 Gbit/s
+    assert summary.inner_text() != before
+    assert page.locator(".anatomy svg").inner_html() != drawn
+    assert "10 Gbit/s" in page.locator(".anatomy [data-out=bandwidth]").inner_text()
+    page.locator("#anatomy-cap").fill("9")  # one bucket
+    assert bars.count() == 1
+    page.locator("#anatomy-stage").select_option("naive")  # one all-reduce per parameter
+    assert bars.count() == 14 and page.locator("#anatomy-cap").is_disabled()
