@@ -88,8 +88,6 @@ def draw(logdir: Path, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     traces = read_logdir(logdir)
     missing = [s for s in STAGES if s not in traces]
@@ -122,17 +120,25 @@ def draw(logdir: Path, out: Path) -> list[Path]:
         ax.set_xlabel("ms from the start of the step (each rank's median traced step)")
         ax.set_title(CAPTIONS[stage], loc="left")
         ax.grid(axis="x", alpha=0.3)
-        handles = [
-            Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")
-        ] + [Patch(color=COLOURS["gloo"], label="all-reduce in flight")]
-        fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
-        fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
-        path = out / f"timeline-{stage}.svg"
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
-        print(f"wrote {path}", file=sys.stderr)
+        written.append(save_lanes(fig, out / f"timeline-{stage}.svg", "all-reduce in flight"))
     return written
+
+
+def save_lanes(fig, path: Path, communication: str) -> Path:
+    """The lanes' legend under `fig` (the phases, and `communication` for its bars),
+    then `fig` saved to `path` and closed."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")
+    ] + [Patch(color=COLOURS["gloo"], label=communication)]
+    fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+    return path
 
 
 if __name__ == "__main__":

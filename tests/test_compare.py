@@ -109,3 +109,40 @@ def test_compare_warns_where_its_figures_are_noise():
     # Steps that agree and a positive exposed time: nothing to warn about.
     quiet = [_rank("compute_only", [100, 100.1], None), _rank("bucketed", [140, 140.1], 40.0)]
     assert compare.noise_warnings(rank_average(quiet), quiet) == []
+
+
+def test_course_pairs_stack_collectives_in_flight_at_once(traces):
+    from profiling.analysis import analyse_runs
+    from profiling.course_pairs import collective_rows
+
+    trace = traces["round_robin"][0]
+    step = next(r for r in analyse_runs({"round_robin": traces["round_robin"]}) if r.rank == 0)
+    rows = collective_rows(trace, step.median.step)
+    assert rows and all(rows)
+    for row in rows:  # a row's bars never overlap ...
+        assert all(a[1] <= b[0] for a, b in zip(row, row[1:], strict=False)), row
+    for row in rows[1:]:  # ... and a bar goes lower only when it overlaps one in the top row
+        for start, end in row:
+            assert any(a < end and start < b for a, b in rows[0]), (start, end, rows[0])
+
+
+def test_course_pairs_draw_each_page_at_10_pt(profile_logdir, tmp_path):
+    import html
+    import re
+
+    from profiling import course_pairs
+
+    logdir = tmp_path / "runs"
+    logdir.mkdir()
+    for name, variant in course_pairs.VARIANTS.items():  # every variant: its stage's traces
+        (logdir / name).symlink_to(profile_logdir / variant.stage, target_is_directory=True)
+    written = course_pairs.draw(logdir, tmp_path)
+    assert [p.name for p in written] == [f"pair-{page}.svg" for page in course_pairs.PAGES]
+    for path, variants in zip(written, course_pairs.PAGES.values(), strict=True):
+        svg = path.read_text()
+        for v in variants:
+            label = html.escape(course_pairs.VARIANTS[v].label, quote=False)
+            assert label in svg, (path.name, label)
+        assert 'width="576pt"' in svg
+        sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]
+        assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))

@@ -9,5 +9,5 @@ def test_course_drawings_are_legible(tmp_path, monkeypatch) -> None:
 
     sizes = record_font_sizes(monkeypatch)
     draw(["--out", str(tmp_path)])
-    for name in ("missing-gradient.png", "kill-restart-resume.png"):
+    for name in ("missing-gradient.png", "uneven-inputs.png", "kill-restart-resume.png"):
         assert_legible(tmp_path / name, sizes)

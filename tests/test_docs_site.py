@@ -200,3 +200,37 @@ def test_anatomy_page_redraws_when_a_slider_moves(page, served: str) -> None:
     assert bars.count() == 1
     page.locator("#anatomy-stage").select_option("naive")  # one all-reduce per parameter
     assert bars.count() == 14 and page.locator("#anatomy-cap").is_disabled()
+
+
+# The course's reading path: every page but the appendix (run histories) and the
+# fragments the pages include.
+TEACHING_PAGES = sorted(
+    str(p.relative_to(ROOT / "docs").with_suffix("")) + "/"
+    for p in (ROOT / "docs").rglob("*.md")
+    if p.relative_to(ROOT / "docs").parts[0] not in ("appendix", "results")
+)
+RUN_ID = re.compile(r"\b[Rr]uns? [A-Z]\d?\b")  # "run C's calibration", "runs A to Z3"
+MAX_WORDS = 6000
+
+
+@pytest.mark.parametrize("path", TEACHING_PAGES)
+def test_teaching_page_is_short_and_names_no_run(page, served: str, path: str) -> None:
+    url = served + ("" if path == "index/" else path)
+    response = page.goto(url, wait_until="load")
+    assert response is not None and response.ok, f"{path}: HTTP {response and response.status}"
+    text = page.evaluate(ARTICLE_TEXT)
+    words = len(text.split())
+    assert words <= MAX_WORDS, f"{path}: {words} words, over {MAX_WORDS}"
+    found = RUN_ID.search(text)
+    assert found is None, f"{path}: names a run of the project's history: {_around(text, found)!r}"
+
+
+@pytest.mark.parametrize("name", STAGE_PAGES)
+def test_stage_page_shows_its_picture_first_and_folds_its_answers(name: str) -> None:
+    text = (ROOT / "docs/stages" / f"{name}.md").read_text()
+    picture = text.find("![")
+    code = min(i for i in (text.find("```"), text.find("--8<--")) if i >= 0)
+    assert 0 <= picture < code, f"{name}: the first picture comes after the first code"
+    assert picture < text.find("\n## "), f"{name}: the picture is not under the summary"
+    exercises = text[text.find("## Try it") :]
+    assert '??? "Answer"' in exercises, f"{name}: no folded answer in Try it"
