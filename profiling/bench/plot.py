@@ -118,5 +118,7 @@ def _plot_sweep(ax, record: dict) -> None:
     ax.set_xlabel(label.get(sweep["field"], sweep["field"]), fontsize=FONT_PT)
     ax.set_ylabel("ms per micro-batch" if per_micro else "step time, ms (median)", fontsize=FONT_PT)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=FONT_PT)
+    # Below the axes: inside, it would cover the lowest line (compute_only).
+    ax.legend(fontsize=FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.26), ncols=2,
+              frameon=False)  # fmt: skip
     ax.tick_params(labelsize=FONT_PT)
