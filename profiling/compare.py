@@ -8,7 +8,12 @@ The first form runs the main job (`python -m stages`, under torch.distributed.ru
 train on the same workload one after another, each traced into its own TensorBoard run
 (LOGDIR/<run>/rank<r>.*.pt.trace.json.gz). Every option it does not know itself
 (--bucket-cap-mb, --batch-size, --steps, --profile-steps, --runs NAMES to train only
-some runs, ...) goes to the main job.
+some runs, ...) goes to the main job. `--network 1gbit` runs it on a virtual cluster
+whose links are shaped to that rate (`profiling.cluster`, as root), where communication
+is waiting on a network rather than CPU work on loopback:
+
+    sudo .venv/bin/python -m profiling.compare --network 1gbit --model mlp --width 2048 \
+        --depth 7 --batch-size 128 --runs compute_only,naive,bucketed,overlapped,drop_in,torch_ddp
 
 The table warns where its differences cannot be trusted: a run timed faster than
 compute_only (a negative exposed time), or differences smaller than the steps' spread.
@@ -45,6 +50,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from profiling import report
@@ -88,6 +95,11 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
     )
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to run")
     parser.add_argument("--model", default="cnn", help="mlp | cnn | transformer | frozen")
+    parser.add_argument(
+        "--network", default="loopback", metavar="RATE",
+        help="loopback, or a rate (1gbit, 500mbit): each rank in a network namespace of its "
+        "own, linked at that rate (profiling.cluster; needs root) (default: loopback)",
+    )  # fmt: skip
     parser.add_argument("--logdir", default="runs/compare", help="where the traces go")
     parser.add_argument("--analyse-only", metavar="LOGDIR", help="skip running; read LOGDIR")
     parser.add_argument("--overwrite", action="store_true", help="replace runs in --logdir")
@@ -109,7 +121,9 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
         command = None
     else:
         logdir = Path(args.logdir)
-        command = run_main_job(args.nproc, args.model, stage_options, logdir, args.overwrite)
+        command = run_main_job(
+            args.nproc, args.model, stage_options, logdir, args.overwrite, args.network
+        )
     out = Path(args.out or logdir)
     figures = Path(args.figures or out)
 
@@ -204,9 +218,15 @@ def traced_runs(logdir: Path) -> list[str]:
 
 
 def run_main_job(
-    nproc: int, model: str, stage_options: list[str], logdir: Path, overwrite: bool
+    nproc: int,
+    model: str,
+    stage_options: list[str],
+    logdir: Path,
+    overwrite: bool,
+    network: str = "loopback",
 ) -> list[str]:
-    """Run `python -m stages` under torch.distributed.run, tracing into `logdir`."""
+    """Run `python -m stages` on `nproc` ranks (under torch.distributed.run, or on a
+    shaped cluster), tracing into `logdir`."""
     if any(o.split("=")[0] == "--profile-dir" for o in stage_options):
         raise SystemExit("--profile-dir is --logdir here")
     existing = traced_runs(logdir)
@@ -217,39 +237,66 @@ def run_main_job(
         )
     for run in existing:  # only folders that hold our traces, never the logdir itself
         shutil.rmtree(logdir / run)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "-m", "stages", "--model", model,
-        *stage_options, "--profile-dir", str(logdir),
-    ]  # fmt: skip
-    print("$ " + shlex.join(command), flush=True)
+    job = ["-m", "stages", "--model", model, *stage_options, "--profile-dir", str(logdir)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), *job]  # fmt: skip
+    if network != "loopback":
+        command = [sys.executable, "-m", "profiling.cluster", "run", "--", *job]
     # Kineto logs a USDT start and stop line for every traced step of every run and rank;
     # level 6 keeps them out of the progress (set KINETO_LOG_LEVEL to see them).
-    env = {"KINETO_LOG_LEVEL": "6", **os.environ}
-    done = subprocess.run(command, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"the main job failed (exit code {done.returncode})")
-    # The baseline again, after every other run, as the benchmark interleaves it: the
-    # exposed times subtract the mean of the two, and their gap says how far the pace moved.
-    runs = next((o.split("=", 1)[1] for o in stage_options if o.startswith("--runs=")), None)
-    if "--runs" in stage_options[:-1]:
-        runs = stage_options[stage_options.index("--runs") + 1]
-    if runs is not None and COMPUTE_ONLY not in runs.split(","):
-        (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
-        return command
-    with tempfile.TemporaryDirectory() as scratch:
-        again = [*command[: command.index("--profile-dir")], "--profile-dir", scratch]
-        if "--runs" in again:  # --runs NAMES as two words: the names go too
-            i = again.index("--runs")
-            del again[i : i + 2]
-        again = [*(a for a in again if not a.startswith("--runs=")), "--runs", COMPUTE_ONLY]
-        print(f"$ {shlex.join(again)}  # the baseline again", flush=True)
-        if subprocess.run(again, env=env).returncode == 0:
-            shutil.move(str(Path(scratch) / COMPUTE_ONLY), logdir / COMPUTE_ONLY_AGAIN)
-        else:
-            print(f"{COMPUTE_ONLY} again failed: the baseline is its first run alone")
+    env = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6")}
+    with launcher(nproc, network) as launch:
+        print("$ " + shlex.join(command), flush=True)
+        if (code := launch(job, env)) != 0:
+            raise SystemExit(f"the main job failed (exit code {code})")
+        # The baseline again, after every other run, as the benchmark interleaves it: the
+        # exposed times subtract the mean of the two, and their gap says how far the pace
+        # moved.
+        runs = next((o.split("=", 1)[1] for o in stage_options if o.startswith("--runs=")), None)
+        if "--runs" in stage_options[:-1]:
+            runs = stage_options[stage_options.index("--runs") + 1]
+        if runs is None or COMPUTE_ONLY in runs.split(","):
+            with tempfile.TemporaryDirectory() as scratch:
+                again = [*job[: job.index("--profile-dir")], "--profile-dir", scratch]
+                if "--runs" in again:  # --runs NAMES as two words: the names go too
+                    i = again.index("--runs")
+                    del again[i : i + 2]
+                again = [*(a for a in again if not a.startswith("--runs=")), "--runs", COMPUTE_ONLY]
+                print(f"$ {shlex.join(again)}  # the baseline again", flush=True)
+                if launch(again, env) == 0:
+                    shutil.move(str(Path(scratch) / COMPUTE_ONLY), logdir / COMPUTE_ONLY_AGAIN)
+                else:
+                    print(f"{COMPUTE_ONLY} again failed: the baseline is its first run alone")
     (logdir / COMMAND_FILE).write_text(typed(command) + "\n")
     return command
+
+
+@contextmanager
+def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict], int]]:
+    """A function that runs `-m module ...` on `nproc` ranks with `env` added and returns
+    its exit code: under torch.distributed.run on loopback, or on a virtual cluster of
+    `network`'s rate, made here and removed at the end."""
+    if network == "loopback":
+
+        def run(job: list[str], env: dict) -> int:
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(nproc), *job]  # fmt: skip
+            return subprocess.run(torchrun, env={**os.environ, **env}).returncode
+
+        yield run
+        return
+    from profiling.cluster.network import available, parse_rate
+    from profiling.cluster.virtual_cluster import VirtualCluster
+
+    try:
+        parse_rate(network)
+    except ValueError as e:
+        raise SystemExit(f"--network: {e}") from None
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"--network {network}: no shaped network here ({why})")
+    with VirtualCluster(ranks=nproc, rate=network) as cluster:
+        yield lambda job, env: cluster.run(job, env=env).returncode
 
 
 def describe(logdir: Path, results: list[RankResult], command: list[str] | None) -> str:

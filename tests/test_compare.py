@@ -146,3 +146,8 @@ def test_course_pairs_draw_each_page_at_10_pt(profile_logdir, tmp_path):
         assert 'width="576pt"' in svg
         sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]
         assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))
+
+
+def test_compare_refuses_a_network_rate_it_cannot_read(tmp_path):
+    with pytest.raises(SystemExit, match="--network: rate 'fast' not understood"):
+        compare.main(["--network", "fast", "--logdir", str(tmp_path / "runs")])
