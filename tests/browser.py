@@ -11,12 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    # Chromium still tries Google hosts with the flags above; this keeps it on loopback.
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-]  # fmt: skip
+from profiling.tensorboard_screenshot import CHROMIUM_FLAGS  # the one list of flags
 
 
 def unavailable(reason: str) -> None:

@@ -437,3 +437,17 @@ def test_profiler_tab_offline_waits_for_google_charts(offline, tensorboard) -> N
     assert "https://www.gstatic.com/charts/loader.js" in offline.blocked, offline.blocked
     assert page.get_by_role("progressbar").count() == 1, "expected the page's spinner"
     assert page.locator("iframe").count() == 0, "the Trace view rendered without Google Charts"
+
+
+def test_the_docs_screenshot_command_draws_the_scalars(profile_logdir, tmp_path) -> None:
+    from profiling import tensorboard_screenshot
+    from tests.browser import chromium
+
+    with chromium():  # skips (or fails in CI) where Chromium or Playwright is missing
+        pass
+    out = tmp_path / "scalars.png"
+    tensorboard_screenshot.main(["--logdir", str(profile_logdir), "--out", str(out)])
+    rgb = rgb_pixels(out.read_bytes())
+    assert rgb.shape[:2] == (820, 1280)
+    charts = rgb[180:, 340:]  # right of the runs list, below the header and the filter
+    assert visible_colour(charts).sum() > 2000, "the charts drew no coloured line"

@@ -1,0 +1,122 @@
+"""A screenshot of TensorBoard's Scalars dashboard over traced runs, for the docs.
+
+    .venv/bin/python -m profiling.tensorboard_screenshot --logdir runs/compare-1gbit \\
+        --out docs/images/tensorboard-scalars.png
+
+Starts TensorBoard on a free port of 127.0.0.1, opens its Scalars dashboard in headless
+Chromium (Debian's `chromium`, driven by Playwright, every request off loopback
+aborted: the dashboard needs none), shows the charts of the tags matching `--tags`,
+waits until every chart has drawn a line per run, saves a PNG and stops TensorBoard by
+its process group. `--logdir` is what `python -m profiling.compare` or the main job's
+`--profile-dir` wrote. About 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+# Chromium tries Google hosts even with the first flags; the resolver rule keeps it on
+# loopback.
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+]  # fmt: skip
+STARTUP_S = 120
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m profiling.tensorboard_screenshot",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--logdir", type=Path, required=True, help="TensorBoard's log dir")
+    parser.add_argument("--out", type=Path, default=Path("tensorboard-scalars.png"))
+    parser.add_argument(
+        "--tags", default="step time ms|exposed communication ms",
+        help="a regular expression: the scalar tags whose charts are shown",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if not args.logdir.is_dir():
+        raise SystemExit(f"--logdir {args.logdir}: no such folder")
+    executable = shutil.which("chromium")
+    if executable is None:
+        raise SystemExit("Chromium not found: apt-get install chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise SystemExit("Playwright not installed: pip install -e '.[test]'") from None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(args.logdir),
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(
+                    executable_path=executable, args=CHROMIUM_FLAGS
+                )
+                page = browser.new_page(viewport={"width": 1280, "height": 820})
+                page.route(
+                    "**/*",
+                    lambda r: r.continue_() if r.request.url.startswith(url) else r.abort(),
+                )
+                shoot(page, url, args.tags, args.out, server)
+                browser.close()
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+    print(f"wrote {args.out}")
+
+
+def shoot(page, url: str, tags: str, out: Path, server: subprocess.Popen) -> None:
+    """The Scalars dashboard filtered to `tags`, once every chart has drawn its lines."""
+    deadline = time.monotonic() + STARTUP_S
+    while True:  # until TensorBoard answers and lists scalar tags (it loads in the background)
+        if server.poll() is not None:
+            raise SystemExit(f"TensorBoard exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/data/plugin/scalars/tags", timeout=5) as r:
+                if json.load(r):
+                    break
+        except (OSError, ValueError):
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise SystemExit(f"TensorBoard listed no scalars in {STARTUP_S} s")
+        time.sleep(1)
+    page.goto(f"{url}/#scalars", wait_until="load")
+    left_ms = max(10.0, deadline - time.monotonic()) * 1e3
+    page.wait_for_selector("tf-scalar-card path.line", state="attached", timeout=left_ms)
+    page.locator("tf-tag-filterer input").first.fill(tags)
+    matching = page.locator("tf-category-paginated-view").first  # "Tags matching ..."
+    drawn = "paths => paths.filter(p => (p.getAttribute('d') || '').includes('L')).length"
+    deadline = time.monotonic() + 60
+    while True:  # every matching chart has drawn lines
+        cards = matching.locator("tf-scalar-card").all()
+        if cards and all(c.locator("path.line").evaluate_all(drawn) > 0 for c in cards):
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no chart for tags matching {tags!r} drew a line in 60 s")
+        time.sleep(0.5)
+    time.sleep(2)  # the lines fade in
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out))
+
+
+if __name__ == "__main__":
+    main()
