@@ -38,6 +38,7 @@ from profiling.simulate.schedule import (
     linear_cost,
     simulate,
 )
+from stages.auto_bucket import CANDIDATES_MB
 
 # The course's MLP (course_timelines'), and one of about the same gradient bytes and
 # compute cut into 48 gradients instead of 14, where per-message latency shows.
@@ -47,9 +48,10 @@ MODELS = {
 }
 CURVE_MODEL = "mlp_1024x24"
 RANKS = 2
-# The slider's caps, MiB: the automatic stage's candidates up to one bucket for the MLP
-# (96 MiB of gradients): below 16 MiB, every weight is a bucket of its own.
-CAPS_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+# The slider's caps, MiB: the automatic stage's candidates (`CANDIDATES_MB`) up to one
+# bucket for either MLP (96 MiB of gradients at most): below 16 MiB, every weight of the
+# course's MLP is a bucket of its own.
+CAPS_MB = tuple(cap for cap in CANDIDATES_MB if cap <= 100.0)
 STAGES = ("naive", "bucketed", "overlapped", "skip_sync")
 
 
@@ -83,9 +85,11 @@ def step(
     message_latency_s: float,
     micro_batches: int,
 ) -> Step:
-    """One optimizer step of `micro_batches` micro-batches. skip_sync synchronises only
-    the last (no_sync on the others); the other stages synchronise every one, so the
-    step is that many synchronised micro-batches, then the optimizer."""
+    """One optimizer step of `micro_batches` micro-batches, with `buckets` the stage's
+    layout (the caller's pick: naive's, one per gradient in parameter order, or a cap's).
+    skip_sync synchronises only the last (no_sync on the others); the other stages
+    synchronise every one, so the step is that many synchronised micro-batches, then the
+    optimizer."""
     cost = allreduce_cost(gbit_s, message_latency_s)
     overlap = stage in ("overlapped", "skip_sync")
     if stage == "skip_sync":

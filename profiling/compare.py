@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> list[RunSummary]:
         help="the ranks whose median step the timeline draws (default: 0)",
     )
     args, stage_options = parser.parse_known_args(argv)
+    if args.network != "loopback" and not args.analyse_only:
+        check_network(args.network)  # before --overwrite removes anything
     timeline_ranks = parse_ranks(parser, args.timeline_ranks)
     if args.analyse_only:
         if stage_options:
@@ -238,16 +240,18 @@ def run_main_job(
     for run in existing:  # only folders that hold our traces, never the logdir itself
         shutil.rmtree(logdir / run)
     job = ["-m", "stages", "--model", model, *stage_options, "--profile-dir", str(logdir)]
+    # What is recorded and printed: the line that reruns the job as it ran.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), *job]  # fmt: skip
     if network != "loopback":
-        command = [sys.executable, "-m", "profiling.cluster", "run", "--", *job]
+        command = [sys.executable, "-m", "profiling.compare", "--network", network,
+                   "--nproc", str(nproc), "--model", model, *stage_options,
+                   "--logdir", str(logdir)]  # fmt: skip
     # Kineto logs a USDT start and stop line for every traced step of every run and rank;
     # level 6 keeps them out of the progress (set KINETO_LOG_LEVEL to see them).
     env = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6")}
     with launcher(nproc, network) as launch:
-        print("$ " + shlex.join(command), flush=True)
-        if (code := launch(job, env)) != 0:
+        if (code := launch(job, env, "")) != 0:
             raise SystemExit(f"the main job failed (exit code {code})")
         # The baseline again, after every other run, as the benchmark interleaves it: the
         # exposed times subtract the mean of the two, and their gap says how far the pace
@@ -262,8 +266,7 @@ def run_main_job(
                     i = again.index("--runs")
                     del again[i : i + 2]
                 again = [*(a for a in again if not a.startswith("--runs=")), "--runs", COMPUTE_ONLY]
-                print(f"$ {shlex.join(again)}  # the baseline again", flush=True)
-                if launch(again, env) == 0:
+                if launch(again, env, "  # the baseline again") == 0:
                     shutil.move(str(Path(scratch) / COMPUTE_ONLY), logdir / COMPUTE_ONLY_AGAIN)
                 else:
                     print(f"{COMPUTE_ONLY} again failed: the baseline is its first run alone")
@@ -271,22 +274,9 @@ def run_main_job(
     return command
 
 
-@contextmanager
-def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict], int]]:
-    """A function that runs `-m module ...` on `nproc` ranks with `env` added and returns
-    its exit code: under torch.distributed.run on loopback, or on a virtual cluster of
-    `network`'s rate, made here and removed at the end."""
-    if network == "loopback":
-
-        def run(job: list[str], env: dict) -> int:
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), *job]  # fmt: skip
-            return subprocess.run(torchrun, env={**os.environ, **env}).returncode
-
-        yield run
-        return
+def check_network(network: str) -> None:
+    """Refuse, naming --network, a rate tc cannot read or a machine without namespaces."""
     from profiling.cluster.network import available, parse_rate
-    from profiling.cluster.virtual_cluster import VirtualCluster
 
     try:
         parse_rate(network)
@@ -295,8 +285,35 @@ def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict], i
     ok, why = available()
     if not ok:
         raise SystemExit(f"--network {network}: no shaped network here ({why})")
+
+
+@contextmanager
+def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict, str], int]]:
+    """A function that prints and runs `-m module ...` on `nproc` ranks with `env` added
+    (and a note after the printed command) and returns its exit code: under
+    torch.distributed.run on loopback, or on a virtual cluster of `network`'s rate, made
+    here and removed at the end."""
+    if network == "loopback":
+
+        def run(job: list[str], env: dict, note: str) -> int:
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(nproc), *job]  # fmt: skip
+            print(f"$ {shlex.join(torchrun)}{note}", flush=True)
+            return subprocess.run(torchrun, env={**os.environ, **env}).returncode
+
+        yield run
+        return
+    from profiling.cluster.virtual_cluster import VirtualCluster
+
+    check_network(network)
     with VirtualCluster(ranks=nproc, rate=network) as cluster:
-        yield lambda job, env: cluster.run(job, env=env).returncode
+
+        def on_cluster(job: list[str], env: dict, note: str) -> int:
+            typed_line = [sys.executable, "-m", "profiling.cluster", "run", "--", *job]
+            print(f"$ {shlex.join(typed_line)}  # on {nproc} ranks at {network}{note}", flush=True)
+            return cluster.run(job, env=env).returncode
+
+        yield on_cluster
 
 
 def describe(logdir: Path, results: list[RankResult], command: list[str] | None) -> str:

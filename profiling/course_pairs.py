@@ -14,7 +14,7 @@ collective in flight, one bar each, stacked when they overlap, so two all-reduce
 (round_robin) show as two rows.
 
 Tracing needs root (network namespaces) and removes the cluster when it ends, even on an
-error; about 8 minutes on 2 cores (auto_bucket's trial steps are most of it).
+error; about 4 minutes on 2 cores (auto_bucket's trial steps are the longest run).
 """
 
 from __future__ import annotations
@@ -204,8 +204,8 @@ def draw(logdir: Path, out: Path) -> list[Path]:
             step = results[v].median.step
             trace = traces[v][0]
             drawn.append((v, step_timeline(trace, step), collective_rows(trace, step)))
-        height = sum(1.0 + 0.45 * len(rows) for _, _, rows in drawn) + 1.2
-        fig, axes = plt.subplots(len(drawn), 1, figsize=(WIDTH_IN, height), sharex=True,
+        height_in = sum(1.0 + 0.45 * len(rows) for _, _, rows in drawn) + 1.2
+        fig, axes = plt.subplots(len(drawn), 1, figsize=(WIDTH_IN, height_in), sharex=True,
                                  height_ratios=[2 + len(rows) for _, _, rows in drawn])  # fmt: skip
         for ax, (v, timeline, rows) in zip(axes, drawn, strict=True):
             for phase, intervals in timeline["compute"].items():

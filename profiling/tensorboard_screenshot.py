@@ -6,7 +6,7 @@
 Starts TensorBoard on a free port of 127.0.0.1, opens its Scalars dashboard in headless
 Chromium (Debian's `chromium`, driven by Playwright, every request off loopback
 aborted: the dashboard needs none), shows the charts of the tags matching `--tags`,
-waits until every chart has drawn a line per run, saves a PNG and stops TensorBoard by
+waits until every shown chart has drawn its lines, saves a PNG and stops TensorBoard by
 its process group. `--logdir` is what `python -m profiling.compare` or the main job's
 `--profile-dir` wrote. About 30 s.
 """
@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
 
 # Chromium tries Google hosts even with the first flags; the resolver rule keeps it on
@@ -49,8 +51,46 @@ def main(argv: list[str] | None = None) -> None:
         help="a regular expression: the scalar tags whose charts are shown",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if not args.logdir.is_dir():
-        raise SystemExit(f"--logdir {args.logdir}: no such folder")
+    screenshot(args.logdir, args.out, args.tags)
+    print(f"wrote {args.out}")
+
+
+def screenshot(logdir: Path, out: Path, tags: str, browser=None) -> None:
+    """TensorBoard over `logdir` on a free loopback port, its Scalars dashboard shown for
+    `tags` and saved to `out`, TensorBoard stopped. `browser`: a launched Playwright
+    browser to use (the tests' own); by default one is launched and closed here."""
+    if not logdir.is_dir():
+        raise SystemExit(f"--logdir {logdir}: no such folder")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        try:
+            with ExitStack() as stack:
+                if browser is None:
+                    browser = stack.enter_context(launched_chromium())
+                context = stack.enter_context(closing(browser.new_context(
+                    viewport={"width": 1280, "height": 820})))  # fmt: skip
+                context.route(
+                    "**/*",
+                    lambda r: r.continue_() if r.request.url.startswith(url) else r.abort(),
+                )
+                shoot(context.new_page(), url, tags, out, server)
+        except SystemExit as e:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            raise SystemExit(f"{e}\nTensorBoard's log ends:\n{tail}") from None
+        finally:
+            stop(server)
+
+
+@contextmanager
+def launched_chromium() -> Iterator:
+    """Debian's Chromium under Playwright, on loopback; closed afterwards."""
     executable = shutil.which("chromium")
     if executable is None:
         raise SystemExit("Chromium not found: apt-get install chromium")
@@ -58,30 +98,23 @@ def main(argv: list[str] | None = None) -> None:
         from playwright.sync_api import sync_playwright
     except ImportError:
         raise SystemExit("Playwright not installed: pip install -e '.[test]'") from None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(args.logdir),
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
         try:
-            with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(
-                    executable_path=executable, args=CHROMIUM_FLAGS
-                )
-                page = browser.new_page(viewport={"width": 1280, "height": 820})
-                page.route(
-                    "**/*",
-                    lambda r: r.continue_() if r.request.url.startswith(url) else r.abort(),
-                )
-                shoot(page, url, args.tags, args.out, server)
-                browser.close()
+            yield browser
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
+            browser.close()
+
+
+def stop(server: subprocess.Popen) -> None:
+    """TensorBoard and the helper processes its plugins start: its process group."""
+    with suppress(ProcessLookupError):  # it may have exited already
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
             server.wait(timeout=30)
-    print(f"wrote {args.out}")
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def shoot(page, url: str, tags: str, out: Path, server: subprocess.Popen) -> None:

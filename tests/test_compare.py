@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -111,19 +112,25 @@ def test_compare_warns_where_its_figures_are_noise():
     assert compare.noise_warnings(rank_average(quiet), quiet) == []
 
 
-def test_course_pairs_stack_collectives_in_flight_at_once(traces):
-    from profiling.analysis import analyse_runs
+def test_course_pairs_stack_collectives_in_flight_at_once():
     from profiling.course_pairs import collective_rows
 
-    trace = traces["round_robin"][0]
-    step = next(r for r in analyse_runs({"round_robin": traces["round_robin"]}) if r.rank == 0)
-    rows = collective_rows(trace, step.median.step)
-    assert rows and all(rows)
-    for row in rows:  # a row's bars never overlap ...
-        assert all(a[1] <= b[0] for a, b in zip(row, row[1:], strict=False)), row
-    for row in rows[1:]:  # ... and a bar goes lower only when it overlaps one in the top row
-        for start, end in row:
-            assert any(a < end and start < b for a, b in rows[0]), (start, end, rows[0])
+    def event(name: str, ts: float, dur: float, tid: int) -> dict:
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    # One step from 1000 to 2000 us on the main thread (tid 1); Gloo collectives on
+    # threads 2 and 3: two at once, then a third after the first, a fourth cut by the
+    # step's end, and one after the step.
+    trace = {"traceEvents": [
+        event("ProfilerStep#7", 1000, 1000, 1),
+        event("gloo:all_reduce", 1100, 400, 2),
+        event("gloo:all_reduce", 1200, 400, 3),
+        event("gloo:all_reduce", 1550, 100, 2),
+        event("gloo:all_reduce", 1700, 500, 3),
+        event("gloo:all_reduce", 2100, 100, 2),
+    ]}  # fmt: skip
+    rows = collective_rows(trace, 7)
+    assert rows == [[(0.1, 0.5), (0.55, 0.65), (0.7, 1.0)], [(0.2, 0.6)]]
 
 
 def test_course_pairs_draw_each_page_at_10_pt(profile_logdir, tmp_path):
@@ -148,6 +155,41 @@ def test_course_pairs_draw_each_page_at_10_pt(profile_logdir, tmp_path):
         assert sizes and min(sizes) >= 10, (path.name, sorted(set(sizes)))
 
 
-def test_compare_refuses_a_network_rate_it_cannot_read(tmp_path):
+def test_compare_refuses_a_network_rate_before_removing_anything(profile_logdir, tmp_path):
+    logdir = tmp_path / "runs"
+    shutil.copytree(profile_logdir / "naive", logdir / "naive")
     with pytest.raises(SystemExit, match="--network: rate 'fast' not understood"):
-        compare.main(["--network", "fast", "--logdir", str(tmp_path / "runs")])
+        compare.main(["--network", "fast", "--overwrite", "--logdir", str(logdir)])
+    assert list((logdir / "naive").glob("*.pt.trace.json*")), "--overwrite removed traces"
+
+
+@pytest.mark.parametrize(
+    ("runs", "again"),
+    [([], True), (["--runs", "compute_only,naive"], True), (["--runs=naive"], False)],
+)
+def test_compare_traces_the_baseline_again_after_the_runs(tmp_path, monkeypatch, runs, again):
+    from contextlib import contextmanager
+
+    launched = []
+
+    @contextmanager
+    def fake_launcher(nproc, network):
+        def launch(job, env, note):
+            launched.append(job)
+            profile_dir = Path(job[job.index("--profile-dir") + 1])
+            (profile_dir / "compute_only").mkdir(parents=True, exist_ok=True)
+            return 0
+
+        yield launch
+
+    monkeypatch.setattr(compare, "launcher", fake_launcher)
+    logdir = tmp_path / "runs"
+    compare.run_main_job(2, "mlp", ["--steps", "3", *runs], logdir, overwrite=False)
+    job = ["-m", "stages", "--model", "mlp", "--steps", "3", *runs, "--profile-dir", str(logdir)]
+    assert launched[0] == job
+    assert len(launched) == (2 if again else 1)
+    if again:  # the same job, compute_only alone, into a scratch folder moved into place
+        second = launched[1]
+        assert second[:6] == job[:6] and second[-2:] == ["--runs", "compute_only"]
+        assert not any(a.startswith("--runs=") or a == "compute_only,naive" for a in second)
+        assert (logdir / "compute_only_again").is_dir()

@@ -2,12 +2,19 @@
 127.0.0.1 and opened in headless Chromium (Debian's, driven by Playwright, as
 tests/test_tensorboard.py does; every request off loopback is aborted).
 
-On every stage page, the final class's page and the benchmark pages: every image loaded,
-no snippet marker, placeholder or Markdown source left in the rendered text (a list that
-did not parse shows `- **`, or a paragraph holding `- ` lines), and no admonition cut
-short (one whose last paragraph stops mid-sentence, or one that did not parse and shows
-`!!!` as text). Skips where Chromium or
-Playwright is missing; in CI (CI set) that is a failure, as in the TensorBoard tests.
+- On every stage page, the final class's page, the benchmark pages, the scaling page and
+  Anatomy of a step: every image loaded, no snippet marker, placeholder or Markdown
+  source left in the rendered text (a list that did not parse shows `- **`, or a
+  paragraph holding `- ` lines), and no admonition cut short (one whose last paragraph
+  stops mid-sentence, or one that did not parse and shows `!!!` as text).
+- Anatomy of a step: its JavaScript computes profiling/anatomy.py's step on a grid, bar
+  by bar, and a slider moved redraws it.
+- The course's reading path (every page but the appendix): at most 6,000 words, and no
+  run of the project's history named; every stage page shows its picture before any
+  code and folds the answers of its exercises.
+
+Skips where Chromium or Playwright is missing; in CI (CI set) that is a failure, as in
+the TensorBoard tests.
 """
 
 from __future__ import annotations
@@ -229,8 +236,10 @@ def test_teaching_page_is_short_and_names_no_run(page, served: str, path: str) -
 def test_stage_page_shows_its_picture_first_and_folds_its_answers(name: str) -> None:
     text = (ROOT / "docs/stages" / f"{name}.md").read_text()
     picture = text.find("![")
-    code = min(i for i in (text.find("```"), text.find("--8<--")) if i >= 0)
-    assert 0 <= picture < code, f"{name}: the first picture comes after the first code"
+    assert picture >= 0, f"{name}: no picture"
+    code = min((i for i in (text.find("```"), text.find("--8<--")) if i >= 0), default=len(text))
+    assert picture < code, f"{name}: the first picture comes after the first code"
     assert picture < text.find("\n## "), f"{name}: the picture is not under the summary"
-    exercises = text[text.find("## Try it") :]
+    assert "\n## Try it" in text, f"{name}: no Try it section"
+    exercises = text[text.index("\n## Try it") :]
     assert '??? "Answer"' in exercises, f"{name}: no folded answer in Try it"

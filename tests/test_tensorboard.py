@@ -439,14 +439,12 @@ def test_profiler_tab_offline_waits_for_google_charts(offline, tensorboard) -> N
     assert page.locator("iframe").count() == 0, "the Trace view rendered without Google Charts"
 
 
-def test_the_docs_screenshot_command_draws_the_scalars(profile_logdir, tmp_path) -> None:
+def test_the_docs_screenshot_command_draws_the_scalars(browser, profile_logdir, tmp_path) -> None:
     from profiling import tensorboard_screenshot
-    from tests.browser import chromium
 
-    with chromium():  # skips (or fails in CI) where Chromium or Playwright is missing
-        pass
     out = tmp_path / "scalars.png"
-    tensorboard_screenshot.main(["--logdir", str(profile_logdir), "--out", str(out)])
+    tags = "step time ms|loss"
+    tensorboard_screenshot.screenshot(profile_logdir, out, tags, browser=browser)
     rgb = rgb_pixels(out.read_bytes())
     assert rgb.shape[:2] == (820, 1280)
     charts = rgb[180:, 340:]  # right of the runs list, below the header and the filter
