@@ -266,7 +266,7 @@ def run_main_job(
                     i = again.index("--runs")
                     del again[i : i + 2]
                 again = [*(a for a in again if not a.startswith("--runs=")), "--runs", COMPUTE_ONLY]
-                if launch(again, env, "  # the baseline again") == 0:
+                if launch(again, env, "the baseline again") == 0:
                     shutil.move(str(Path(scratch) / COMPUTE_ONLY), logdir / COMPUTE_ONLY_AGAIN)
                 else:
                     print(f"{COMPUTE_ONLY} again failed: the baseline is its first run alone")
@@ -298,7 +298,7 @@ def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict, st
         def run(job: list[str], env: dict, note: str) -> int:
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", str(nproc), *job]  # fmt: skip
-            print(f"$ {shlex.join(torchrun)}{note}", flush=True)
+            print(f"$ {shlex.join(torchrun)}" + (f"  # {note}" if note else ""), flush=True)
             return subprocess.run(torchrun, env={**os.environ, **env}).returncode
 
         yield run
@@ -310,7 +310,8 @@ def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict, st
 
         def on_cluster(job: list[str], env: dict, note: str) -> int:
             typed_line = [sys.executable, "-m", "profiling.cluster", "run", "--", *job]
-            print(f"$ {shlex.join(typed_line)}  # on {nproc} ranks at {network}{note}", flush=True)
+            where = f"on {nproc} ranks at {network}" + (f", {note}" if note else "")
+            print(f"$ {shlex.join(typed_line)}  # {where}", flush=True)
             return cluster.run(job, env=env).returncode
 
         yield on_cluster
