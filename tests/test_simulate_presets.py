@@ -25,6 +25,18 @@ def test_resnet50_matches_torchvisions_documented_size():
     assert counter.get_total_flops() / 2 == pytest.approx(4.09e9, rel=0.005)
 
 
+@pytest.mark.parametrize(
+    ("factory", "parameters"),
+    [("resnet101", 44_549_160), ("resnext50_32x4d", 25_028_904), ("resnext101_32x8d", 88_791_336)],
+)  # torchvision's documented sizes (its model table's "Params")
+def test_resnets_of_torchs_ddp_benchmark_match_torchvision(factory: str, parameters: int):
+    from profiling.simulate_published import compare
+
+    model = getattr(presets, factory, None) or getattr(compare, factory)
+    model = model("meta")
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
 def test_bert_large_counted_with_torchs_transformer_layer():
     cfg = presets.BertConfig()
     # One encoder layer of BERT is what torch's TransformerEncoderLayer holds: Q, K, V and

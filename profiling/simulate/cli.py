@@ -4,6 +4,7 @@ python -m profiling.simulate scale     will my model scale on my cluster (1 to 2
 python -m profiling.simulate buckets   which bucket_cap_mb, against torch's default layout
 python -m profiling.simulate gantt     one simulated step, drawn
 python -m profiling.simulate paper     the papers' scaling figures against the model
+python -m profiling.simulate published published measurements against the model's predictions
 python -m profiling.simulate shape     when each gradient is ready, measured on a GPU
 python -m profiling.simulate validate  predictions against the virtual CPU cluster
                                        (profiling.simulate_cpu, which extends the model)
@@ -22,6 +23,7 @@ COMMANDS = {
     "buckets": "profiling.simulate.buckets",
     "gantt": "profiling.simulate.gantt",
     "paper": "profiling.simulate.paper",
+    "published": "profiling.simulate_published.compare",
     "shape": "profiling.simulate.shape",
     "validate": "profiling.simulate_cpu.validate",
 }

@@ -46,19 +46,23 @@ def resnet101(device: str | None = None):
     return resnet50(device, depth=101)
 
 
-def resnet50(device: str | None = None, depth: int = 50):
-    """torchvision.models.resnet50() (or resnet101, resnet152 by `depth`), untrained,
-    built on `device` (by default, torch's default device; meta: shapes only)."""
+def resnet50(
+    device: str | None = None, depth: int = 50, groups: int = 1, width_per_group: int = 64
+):
+    """torchvision.models.resnet50() (or resnet101, resnet152 by `depth`; ResNeXt by
+    `groups` and `width_per_group`, as torchvision's), untrained, built on `device` (by
+    default, torch's default device; meta: shapes only)."""
     import torch
     from torch import nn
 
     class Bottleneck(nn.Module):
-        def __init__(self, cin: int, width: int, stride: int):
+        def __init__(self, cin: int, planes: int, stride: int):
             super().__init__()
-            cout = width * 4
+            cout = planes * 4
+            width = int(planes * width_per_group / 64) * groups  # torchvision's rule
             self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
             self.bn1 = nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False)
             self.bn2 = nn.BatchNorm2d(width)
             self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
             self.bn3 = nn.BatchNorm2d(cout)
