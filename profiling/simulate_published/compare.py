@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 TORCH_BENCH = "pytorch/pytorch benchmarks/distributed/ddp/README.md"
 NO_DDP = 0  # the key of the one-GPU time without DDP
@@ -39,6 +40,7 @@ TORCH_BENCH_P50_S = {
     "resnext101_32x8d": {NO_DDP: 0.415, 1: 0.425, 2: 0.438, 4: 0.439, 8: 0.447, 16: 0.450},
 }
 TORCH_BENCH_BATCH = 32
+TORCH_BENCH_MEMORY_BYTES_PER_S = 900e9  # V100 SXM2 data sheet
 # Throughput with bucket_cap_mb=1 against 25, p75, ResNet-50 (the README's diff).
 TORCH_BENCH_CAP_1_VS_25 = {8: -0.026, 16: -0.038}
 GOYAL_E256 = 0.90
@@ -86,14 +88,20 @@ def torch_bench_cluster():
 class Row:
     what: str
     published: float
-    predicted: float
+    predicted: float  # the bare model's
     unit: str  # "E" (an efficiency) or "%" (a change in throughput or a speed-up)
     source: str
+    # With the measured terms (`terms`): DDP's copies, then also compute beside NCCL;
+    # None where they are not modelled for the row.
+    with_copies: float | None = None
+    with_terms: float | None = None
 
     @property
     def error(self) -> float:
-        """Predicted minus published, in the row's unit (points for a percentage)."""
-        return self.predicted - self.published
+        """The fullest prediction minus published, in the row's unit (points for a
+        percentage)."""
+        best = self.predicted if self.with_terms is None else self.with_terms
+        return best - self.published
 
 
 def torch_bench_workload(model: str):
@@ -102,46 +110,72 @@ def torch_bench_workload(model: str):
     from profiling.simulate import presets, usermodel
 
     prof = usermodel.profile(FACTORIES[model], (3, 224, 224))
-    optimizer_s = prof.parameters * presets.SGD_MOMENTUM_BYTES / presets.MEMORY_BYTES_PER_S["V100"]
+    optimizer_s = prof.parameters * presets.SGD_MOMENTUM_BYTES / TORCH_BENCH_MEMORY_BYTES_PER_S
     return usermodel.workload(prof, TORCH_BENCH_P50_S[model][NO_DDP], optimizer_s)
 
 
-def torch_bench_step_s(workload, gpus: int, bucket_cap_mb: float = 25.0) -> float:
+def torch_bench_step_s(workload, gpus: int, bucket_cap_mb: float = 25.0, sharing=None) -> float:
     """One iteration of torch's DDP on `gpus` V100 of the benchmark's cluster: its layout
     (`bucket_cap_mb` after a 1 MiB first bucket, or `bucket_cap_mb` for both when it is
     smaller, as torch takes a cap you give), overlapped, NCCL's ring."""
     from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.scale import step_seconds
+    from profiling.simulate.schedule import NO_SHARING, StageSchedule, simulate
     from profiling.simulate.topology import cost_model
 
     topo = torch_bench_cluster().topology.with_gpus(gpus)
     buckets = torch_buckets(workload, bucket_cap_mb, min(1.0, bucket_cap_mb))
-    return step_seconds(workload, buckets, cost_model(topo, "ring"))
+    cost = cost_model(topo, "ring")
+    return simulate(workload, buckets, cost, StageSchedule(True), sharing or NO_SHARING).step_s
 
 
-def rows() -> list[Row]:
-    """Every published row with the model's prediction."""
+def rows(trace: str | Path | None = None) -> list[Row]:
+    """Every published row with the model's prediction; with `trace` (a GPU trace of
+    torch's DDP training ResNet-50), also with the terms measured on it."""
     from profiling.simulate import paper
     from profiling.simulate.scale import PER_PARAMETER
+    from profiling.simulate_published import terms
+
+    variants = [None]
+    if trace is not None:
+        events = terms.load(trace)
+        copied = terms.copies(events, terms.A100_MEMORY_BYTES_PER_S)
+        beside = terms.beside_nccl(events)
+        grads = len(torch_bench_workload("resnet50").grads)  # the trace's model
+        v100 = TORCH_BENCH_MEMORY_BYTES_PER_S
+        variants += [terms.sharing(copied, None, grads, v100),
+                     terms.sharing(copied, beside, grads, v100)]  # fmt: skip
+
+    def predictions(measure) -> dict:
+        made = [measure(v) for v in variants] + [None, None]
+        return {"predicted": made[0], "with_copies": made[1], "with_terms": made[2]}
 
     out = []
     for model, p50 in TORCH_BENCH_P50_S.items():
         w = torch_bench_workload(model)
         for gpus in (g for g in p50 if g != NO_DDP):
+
+            def efficiency(v, w=w, g=gpus) -> float:
+                return w.compute_s / torch_bench_step_s(w, g, 25.0, v)
+
             out.append(Row(
                 f"{model}, {gpus} GPU{'s' if gpus > 1 else ''}: E against 1 GPU without DDP",
-                p50[NO_DDP] / p50[gpus], w.compute_s / torch_bench_step_s(w, gpus), "E",
-                TORCH_BENCH,
+                p50[NO_DDP] / p50[gpus], unit="E", source=TORCH_BENCH,
+                **predictions(efficiency),
             ))  # fmt: skip
     w = torch_bench_workload("resnet50")
     for gpus, change in TORCH_BENCH_CAP_1_VS_25.items():
-        predicted = torch_bench_step_s(w, gpus, 25.0) / torch_bench_step_s(w, gpus, 1.0) - 1
+
+        def cap_change(v, g=gpus) -> float:
+            return (torch_bench_step_s(w, g, 25.0, v) / torch_bench_step_s(w, g, 1.0, v) - 1) * 100
+
         out.append(Row(
             f"resnet50, {gpus} GPUs: throughput, bucket_cap_mb 1 against 25",
-            change * 100, predicted * 100, "%", TORCH_BENCH + " (p75, its diff)",
+            change * 100, unit="%", source=TORCH_BENCH + " (p75, its diff)",
+            **predictions(cap_change),
         ))  # fmt: skip
     compared = paper.compare()
     goyal = compared["goyal_efficiency"]["hierarchical_halving_doubling"][PER_PARAMETER]
+    # The papers' rows: the bare model only (`paper` does not take the terms yet).
     out.append(Row(
         "Goyal et al.: resnet50, E(256) against 8 P100", GOYAL_E256,
         next(r["efficiency"] for r in goyal if r["gpus"] == 256), "E",
@@ -162,11 +196,22 @@ def markdown(table: list[Row]) -> str:
     def cell(value: float, unit: str) -> str:
         return f"{value:.3f}" if unit == "E" else f"{value:+.1f}%"
 
+    def maybe(value: float | None, unit: str) -> str:
+        return "n/a" if value is None else cell(value, unit)
+
     def error(r: Row) -> str:
         return f"{r.error:+.3f}" if r.unit == "E" else f"{r.error:+.1f} points"
 
-    body = [[r.what, cell(r.published, r.unit), cell(r.predicted, r.unit), error(r)] for r in table]
-    header = ["measurement", "published", "predicted", "error"]
+    terms = any(r.with_terms is not None for r in table)
+    body = [
+        [r.what, cell(r.published, r.unit), cell(r.predicted, r.unit)]
+        + ([maybe(r.with_copies, r.unit), maybe(r.with_terms, r.unit)] if terms else [])
+        + [error(r)]
+        for r in table
+    ]
+    header = ["measurement", "published", "model"]
+    header += ["+ DDP's copies", "+ beside NCCL"] if terms else []
+    header += ["error"]
     sources = sorted({r.source for r in table})
     return "\n".join([
         produced_by([command_line("profiling.simulate")]), "",
@@ -181,12 +226,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     outputs.add_arguments(parser)
+    parser.add_argument(
+        "--terms-from", metavar="TRACE",
+        help="a GPU trace of torch's DDP training ResNet-50 to measure the two terms on "
+        f"(profiling.simulate_published.terms; default: {terms_trace_help()})",
+    )  # fmt: skip
+    parser.add_argument("--no-terms", action="store_true", help="the bare model only")
+
+
+def terms_trace_help() -> str:
+    from profiling.simulate_published.terms import DOCS_TRACE
+
+    return f"{DOCS_TRACE} in this checkout"
 
 
 def run(args: argparse.Namespace) -> None:
     from profiling.simulate import outputs
+    from profiling.simulate_published.terms import DOCS_TRACE
 
-    text = markdown(rows())
+    trace = None if args.no_terms else args.terms_from
+    if trace is None and not args.no_terms:
+        trace = Path(__file__).resolve().parents[2] / DOCS_TRACE
+        if not trace.is_file():
+            raise SystemExit(f"published: no {DOCS_TRACE} here; pass --terms-from or --no-terms")
+    elif trace is not None and not Path(trace).is_file():
+        raise SystemExit(f"--terms-from {trace}: no such file")
+    text = markdown(rows(trace))
     print(text)
     if args.no_files:
         return
