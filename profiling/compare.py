@@ -240,9 +240,8 @@ def run_main_job(
     for run in existing:  # only folders that hold our traces, never the logdir itself
         shutil.rmtree(logdir / run)
     job = ["-m", "stages", "--model", model, *stage_options, "--profile-dir", str(logdir)]
-    # What is recorded and printed: the line that reruns the job as it ran.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), *job]  # fmt: skip
+    # What is recorded: the line that reruns the job as it ran.
+    command = torchrun(nproc, job)
     if network != "loopback":
         command = [sys.executable, "-m", "profiling.compare", "--network", network,
                    "--nproc", str(nproc), "--model", model, *stage_options,
@@ -274,6 +273,12 @@ def run_main_job(
     return command
 
 
+def torchrun(nproc: int, job: list[str]) -> list[str]:
+    """`job` (`-m module ...`) on `nproc` ranks of this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), *job]  # fmt: skip
+
+
 def check_network(network: str) -> None:
     """Refuse, naming --network, a rate tc cannot read or a machine without namespaces."""
     from profiling.cluster.network import available, parse_rate
@@ -296,10 +301,9 @@ def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict, st
     if network == "loopback":
 
         def run(job: list[str], env: dict, note: str) -> int:
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), *job]  # fmt: skip
-            print(f"$ {shlex.join(torchrun)}" + (f"  # {note}" if note else ""), flush=True)
-            return subprocess.run(torchrun, env={**os.environ, **env}).returncode
+            command = torchrun(nproc, job)
+            print(f"$ {shlex.join(command)}" + (f"  # {note}" if note else ""), flush=True)
+            return subprocess.run(command, env={**os.environ, **env}).returncode
 
         yield run
         return

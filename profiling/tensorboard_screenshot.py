@@ -24,9 +24,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
+from typing import NoReturn
 
 # Chromium tries Google hosts even with the first flags; the resolver rule keeps it on
 # loopback.
@@ -88,16 +89,22 @@ def screenshot(logdir: Path, out: Path, tags: str, browser=None) -> None:
             stop(server)
 
 
+def refuse(reason: str) -> NoReturn:
+    """The command's answer to a missing piece: stop, saying which."""
+    raise SystemExit(reason)
+
+
 @contextmanager
-def launched_chromium() -> Iterator:
-    """Debian's Chromium under Playwright, on loopback; closed afterwards."""
+def launched_chromium(missing: Callable[[str], NoReturn] = refuse) -> Iterator:
+    """Debian's Chromium under Playwright, on loopback; closed afterwards. Where
+    Chromium or Playwright is missing, `missing(reason)` (the tests skip there)."""
     executable = shutil.which("chromium")
     if executable is None:
-        raise SystemExit("Chromium not found: apt-get install chromium")
+        missing("Chromium not found: `apt-get install chromium` (make test does as root)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        raise SystemExit("Playwright not installed: pip install -e '.[test]'") from None
+        missing("Playwright not installed: pip install -e '.[test]'")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
         try:

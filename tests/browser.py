@@ -5,16 +5,14 @@ kept on loopback."""
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import NoReturn
 
 import pytest
 
-from profiling.tensorboard_screenshot import CHROMIUM_FLAGS  # the one list of flags
+from profiling.tensorboard_screenshot import launched_chromium
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """CI runs as root, where `make test` installs everything: there a missing piece is a
     failure. Elsewhere (no root for apt) the browser tests skip."""
     if os.environ.get("CI"):
@@ -22,19 +20,7 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-@contextmanager
-def chromium() -> Iterator:
-    """A launched Playwright Chromium browser, closed afterwards."""
-    executable = shutil.which("chromium")
-    if executable is None:
-        unavailable("Chromium not found: `apt-get install chromium` (make test does as root)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("Playwright not installed: pip install -e '.[test]'")
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
+def chromium():
+    """A launched Playwright Chromium browser, closed afterwards (the docs' command's
+    launcher, skipping, or failing in CI, where a piece is missing)."""
+    return launched_chromium(missing=unavailable)

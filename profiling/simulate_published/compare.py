@@ -135,12 +135,13 @@ def rows(trace: str | Path | None = None) -> list[Row]:
     from profiling.simulate.scale import PER_PARAMETER
     from profiling.simulate_published import terms
 
+    workloads = {model: torch_bench_workload(model) for model in TORCH_BENCH_P50_S}
     variants = [None]
     if trace is not None:
         events = terms.load(trace)
         copied = terms.copies(events, terms.A100_MEMORY_BYTES_PER_S)
         beside = terms.beside_nccl(events)
-        grads = len(torch_bench_workload("resnet50").grads)  # the trace's model
+        grads = len(workloads["resnet50"].grads)  # the trace's model
         v100 = TORCH_BENCH_MEMORY_BYTES_PER_S
         variants += [terms.sharing(copied, None, grads, v100),
                      terms.sharing(copied, beside, grads, v100)]  # fmt: skip
@@ -151,7 +152,7 @@ def rows(trace: str | Path | None = None) -> list[Row]:
 
     out = []
     for model, p50 in TORCH_BENCH_P50_S.items():
-        w = torch_bench_workload(model)
+        w = workloads[model]
         for gpus in (g for g in p50 if g != NO_DDP):
 
             def efficiency(v, w=w, g=gpus) -> float:
@@ -162,7 +163,7 @@ def rows(trace: str | Path | None = None) -> list[Row]:
                 p50[NO_DDP] / p50[gpus], unit="E", source=TORCH_BENCH,
                 **predictions(efficiency),
             ))  # fmt: skip
-    w = torch_bench_workload("resnet50")
+    w = workloads["resnet50"]
     for gpus, change in TORCH_BENCH_CAP_1_VS_25.items():
 
         def cap_change(v, g=gpus) -> float:

@@ -122,15 +122,13 @@ def sharing(
     """The terms measured on one GPU's trace, carried to a GPU of `memory_bytes_per_s`:
     the same copies per gradient and fixed time, the same share of memory bandwidth, the
     same slowdown beside NCCL. None: that term off."""
-    if copied is None:
-        sharing_copies = GpuSharing()
-    else:
-        sharing_copies = GpuSharing(
-            copies_per_grad=copied.per_step / grads_in_trace,
-            copy_fixed_s=copied.fixed_s,
-            # The trace copies each gradient's bytes once per step in all (see Copies).
-            copy_bytes_per_s=copied.share_of_memory_bandwidth * memory_bytes_per_s,
-        )
     slowdown = 0.0 if beside is None else beside.ratio - 1
-    return GpuSharing(slowdown, sharing_copies.copies_per_grad, sharing_copies.copy_fixed_s,
-                      sharing_copies.copy_bytes_per_s)  # fmt: skip
+    if copied is None:
+        return GpuSharing(slowdown)
+    return GpuSharing(
+        slowdown,
+        copies_per_grad=copied.per_step / grads_in_trace,
+        copy_fixed_s=copied.fixed_s,
+        # The trace copies each gradient's bytes once per step in all (see Copies).
+        copy_bytes_per_s=copied.share_of_memory_bandwidth * memory_bytes_per_s,
+    )
