@@ -3,6 +3,8 @@ and the command that sets the model's predictions beside them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from profiling.simulate_published import compare as published
@@ -37,7 +39,7 @@ def test_published_writes_its_table_under_out(tmp_path):
 
     main(["published", "--out", str(tmp_path)])
     text = (tmp_path / "published.md").read_text()
-    assert "| measurement | published | model | + DDP's copies | + beside NCCL | error |" in text
+    assert "| measurement | published | model | + DDP's passes | + beside NCCL | error |" in text
     assert "resnext101_32x8d, 16 GPUs" in text and "Goyal et al." in text
 
 
@@ -64,34 +66,74 @@ def test_compute_beside_nccl_by_hand():
     assert measured.shapes == 1 and measured.kernel_s == pytest.approx(33e-6)
 
 
-def test_copies_fit_a_fixed_time_and_a_bandwidth_by_hand():
+def traced_passes() -> list[dict]:
+    """One profiler step of two gradients, each scaled into its bucket by an elementwise
+    kernel (2 us + 1 us per 1000 bytes) and copied back (1 us + 1 us per 2000 bytes);
+    and a copy that no reducer op launched (a buffer's), which must not count."""
     from profiling.simulate_published import terms
 
-    def copy(ts: float, nbytes: int) -> dict:  # 2 us + 1 us per 1000 bytes
-        return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
-                "ts": ts, "dur": 2 + nbytes / 1000, "args": {"bytes": nbytes}}  # fmt: skip
+    events = [{"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 1e4}]
 
-    steps = [{"ph": "X", "name": f"ProfilerStep#{i}", "ts": i * 1e4, "dur": 1e4} for i in (1, 2)]
-    events = steps + [copy(1e4 + i, n) for i, n in enumerate((1000, 3000, 5000, 7000))]
-    measured = terms.copies(events, memory_bytes_per_s=1e9)
-    assert measured.per_step == 2 and measured.bytes_per_step == 8000
-    assert measured.fixed_s == pytest.approx(2e-6)
-    assert measured.share_of_memory_bandwidth == pytest.approx(1.0)  # 1e9 bytes/s: all of it
+    def launched(op: str, ts: float, gpu: dict, correlation: int) -> None:
+        events.append({"ph": "X", "cat": "cpu_op", "name": op, "ts": ts, "dur": 10, "tid": 1})
+        runtime = {"correlation": correlation}
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                       "ts": ts + 2, "dur": 3, "tid": 1, "args": runtime})  # fmt: skip
+        gpu["args"]["correlation"] = correlation
+        events.append(gpu)
+
+    for i, blocks in enumerate((2, 6)):  # 2 x 128 x 4 float32: 4096 and 12288 bytes
+        nbytes = blocks * 128 * 4 * 4
+        launched(terms.SCALE_OP, 100 * i, {
+            "ph": "X", "cat": "kernel", "name": "elementwise", "ts": 1000 + 100 * i,
+            "dur": 2 + nbytes / 1000, "args": {"grid": [blocks, 1, 1], "block": [128, 1, 1]}},
+            correlation=10 + i)  # fmt: skip
+        launched(terms.COPY_OP, 5000 + 100 * i, {
+            "ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
+            "ts": 6000 + 100 * i, "dur": 1 + nbytes / 2000, "args": {"bytes": nbytes}},
+            correlation=20 + i)  # fmt: skip
+    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
+                   "ts": 8000, "dur": 500, "args": {"bytes": 10, "correlation": 99}})  # fmt: skip
+    return events
 
 
-def test_gpu_sharing_copies_each_gradient_on_the_compute_lane_by_hand():
-    from profiling.simulate.schedule import Grad
+def test_reducer_passes_fit_a_fixed_time_and_a_bandwidth_by_hand():
     from profiling.simulate_published import terms
 
-    copied = terms.Copies(per_step=4, bytes_per_step=0, fixed_s=1e-6,
-                          share_of_memory_bandwidth=0.5)  # fmt: skip
+    work = terms.reducer_work(traced_passes(), memory_bytes_per_s=1e9)
+    assert work.scale.launches_per_step == 2 and work.scale.bytes_per_step == 4096 + 12288
+    assert work.scale.fixed_s == pytest.approx(2e-6)
+    assert work.scale.share_of_memory_bandwidth == pytest.approx(1.0)  # 1000 bytes per us
+    assert work.copy.launches_per_step == 2  # the buffer's copy is not the reducer's
+    assert work.copy.fixed_s == pytest.approx(1e-6)
+    assert work.copy.share_of_memory_bandwidth == pytest.approx(2.0)
+
+
+def test_gpu_sharing_puts_torch_1_4s_passes_at_the_hooks_and_the_copy_back_after():
+    from profiling.simulate.schedule import Grad, Workload
+    from profiling.simulate_published import terms
+
+    one_us_per_kb = terms.Pass(2, 0, fixed_s=2e-6, share_of_memory_bandwidth=0.5)
+    copy = terms.Pass(2, 0, fixed_s=1e-6, share_of_memory_bandwidth=1.0)
     beside = terms.BesideNccl(ratio=1.25, kernel_s=1e-3, shapes=3)
-    sharing = terms.sharing(copied, beside, grads_in_trace=2, memory_bytes_per_s=2e9)
+    sharing = terms.sharing(terms.ReducerWork(one_us_per_kb, copy), beside, 2e9)
     assert sharing.slowdown == pytest.approx(0.25)
-    # 2 copies per gradient of 1 us, and 1e6 bytes at half of 2e9 bytes/s: 1 ms.
-    assert sharing.hook_s(Grad("w", 10**6, 0.0)) == pytest.approx(2e-6 + 1e-3)
-    off = terms.sharing(None, None, grads_in_trace=2, memory_bytes_per_s=2e9)
-    assert off.slowdown == 0 and off.hook_s(Grad("w", 10**6, 0.0)) == 0
+    a, b = Grad("a", 10**6, 1e-3), Grad("b", 2 * 10**6, 2e-3)
+    w = Workload((a, b), forward_s=1e-3, backward_s=2e-3, optimizer_s=1e-3)
+    one_bucket = sharing.for_buckets(w, [[0, 1]])
+    # At a's hook: copy_ (1 us + 1e6 bytes at 2e9/s) and div_'s bytes (at 1e9/s), no
+    # launch; at b's, which fills the bucket, div_'s launch too (2 us).
+    assert one_bucket.hook_s(a) == pytest.approx(1e-6 + 0.5e-3 + 1e-3)
+    assert one_bucket.hook_s(b) == pytest.approx(1e-6 + 1e-3 + 2e-3 + 2e-6)
+    assert sharing.for_buckets(w, [[0], [1]]).hook_s(a) == pytest.approx(1e-6 + 1.5e-3 + 2e-6)
+    # torch 2.x: one mul_out a gradient, launched each time.
+    modern = replace(one_bucket, copy_then_divide=False)
+    assert modern.hook_s(a) == pytest.approx(2e-6 + 1e-3)
+    # The copy back of both after the last all-reduce, before the optimizer.
+    assert sharing.finalize_s(w) == pytest.approx(2e-6 + 1.5e-3)
+    assert terms.with_finalize(w, sharing).optimizer_s == pytest.approx(1e-3 + 2e-6 + 1.5e-3)
+    off = terms.sharing(None, None, 2e9)
+    assert off.slowdown == 0 and off.hook_s(a) == 0 and off.finalize_s(w) == 0
 
 
 def test_the_terms_measured_on_the_docs_trace():
@@ -99,10 +141,38 @@ def test_the_terms_measured_on_the_docs_trace():
     from profiling.simulate_published import terms
 
     events = terms.load(terms.DOCS_TRACE)
-    copied = terms.copies(events, terms.A100_MEMORY_BYTES_PER_S)
-    assert copied.per_step == 320  # about 2 per gradient: ResNet-50 has 161
-    assert copied.bytes_per_step == pytest.approx(102.4e6, rel=0.01)  # its 102.2 MB, once
+    work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
+    # One pass of each kind per gradient (ResNet-50 has 161), over its 102.2 MB.
+    assert work.scale.launches_per_step == work.copy.launches_per_step == 161
+    assert work.copy.bytes_per_step == pytest.approx(102.2e6, rel=0.001)
+    assert work.scale.bytes_per_step == pytest.approx(102.2e6, rel=0.002)  # from the grids
+    assert 1.5e-6 < work.copy.fixed_s < 2.5e-6 and 0.3 < work.copy.share_of_memory_bandwidth < 0.45
     assert 1.05 < terms.beside_nccl(events).ratio < 1.15
+
+
+def test_nvlink_rings_by_hand_and_on_the_benchmarks_dgx1():
+    # Three GPUs in a triangle of single links: one ring each way round.
+    triangle = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
+    assert published.nvlink_rings(triangle, 3) == 2
+    # A path 0-1-2 with no link 2-0 closes no ring; two GPUs make one ring per link.
+    assert published.nvlink_rings([[0, 1, 0], [1, 0, 1], [0, 1, 0]], 3) == 0
+    assert published.nvlink_rings([[0, 2], [2, 0]], 2) == 2
+    rings = {g: published.nvlink_rings(published.DGX1_NVLINKS, g) for g in (2, 4, 8)}
+    assert rings == {2: 1, 4: 4, 8: 6}  # GPU 0's links among the first g: 1, 4 and 6
+    assert published.torch_bench_topology(2).intra_bytes_per_s == 25e9
+    assert published.torch_bench_topology(16).intra_bytes_per_s == 150e9
+
+
+def test_li_overlap_speedup_moves_with_its_unknown_settings():
+    # Less bandwidth hides more (ResNet-50 at batch 32 stays below the peak, where
+    # communication is as long as backward); a longer iteration has less to hide.
+    slow = published.li_speedup("resnet50", 32, 6e9)
+    fast = published.li_speedup("resnet50", 32, 12.5e9)
+    assert slow > fast > published.li_speedup("resnet50", 112, 12.5e9) > 0
+    with pytest.raises(ValueError, match="no published V100 time for resnet50 at batch 64"):
+        published.li_speedup("resnet50", 64)
+    table = published.li_sensitivity()
+    assert len(table) == 4 and all(len(row) == 5 for row in table)
 
 
 def test_each_term_lowers_the_benchmarks_efficiencies():
@@ -114,3 +184,35 @@ def test_each_term_lowers_the_benchmarks_efficiencies():
     one_gpu = [r for r in rows if ", 1 GPU:" in r.what]
     # On one GPU nothing is sent: only the copies cost anything, and both columns agree.
     assert all(r.with_terms == pytest.approx(r.with_copies) for r in one_gpu)
+
+
+def test_stragglers_by_hand():
+    import math
+
+    from profiling.simulate_published import terms
+
+    # The largest of 2 and of 3 standard normal draws: 1/sqrt(pi) and 3/(2 sqrt(pi)).
+    assert terms.expected_max_normal(1) == pytest.approx(0.0, abs=1e-9)
+    assert terms.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert terms.expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-6)
+    # A spread of 10%: 8 GPUs wait 1 + 0.1 m(8) on average, 256 wait 1 + 0.1 m(256).
+    m8, m256 = terms.expected_max_normal(8), terms.expected_max_normal(256)
+    assert 1.42 < m8 < 1.43 and 2.82 < m256 < 2.83  # the tabled 1.4236 and 2.8269
+    expected = (1 + 0.1 * m8) / (1 + 0.1 * m256)
+    assert terms.straggler_efficiency(0.1, 256, 8) == pytest.approx(expected)
+    sigma = terms.straggler_sigma_for(0.9, 256, 8)
+    assert terms.straggler_efficiency(sigma, 256, 8) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="p = 0"):
+        terms.expected_max_normal(0)
+
+
+def test_cost_per_bucket_and_the_straggler_bound_from_the_readme():
+    per_bucket = {b["gpus"]: b for b in published.cost_per_bucket()}
+    # ResNet-50 in torch's layout: 35 buckets at 1 MiB, 5 at 25 MiB after the first 1 MiB.
+    assert per_bucket[8]["extra_buckets"] == 30
+    assert per_bucket[8]["per_bucket_s"] == pytest.approx(0.026 * 0.107 / 30)
+    # NCCL's latency at 8 GPUs of one server: 8.4 us a call and 14 ring steps of 3.4 us.
+    assert per_bucket[8]["nccl_latency_s"] == pytest.approx(8.4e-6 + 14 * 3.4e-6)
+    bound = published.straggler_bound()
+    assert bound["sigma"] == pytest.approx(1e-3 / 1.645 / 0.097)
+    assert 0.98 < bound["e16"] < 1 and 0.08 < bound["goyal_sigma"] < 0.1

@@ -40,11 +40,36 @@ TORCH_BENCH_P50_S = {
     "resnext101_32x8d": {NO_DDP: 0.415, 1: 0.425, 2: 0.438, 4: 0.439, 8: 0.447, 16: 0.450},
 }
 TORCH_BENCH_BATCH = 32
+# The NVLinks between each pair of the benchmark's GPUs 0-7 (NV1, NV2; 0: none), as
+# the `nvidia-smi topo -m` in its README prints them: DGX-1's hybrid cube mesh.
+DGX1_NVLINKS = [
+    [0, 1, 1, 2, 2, 0, 0, 0],
+    [1, 0, 2, 1, 0, 2, 0, 0],
+    [1, 2, 0, 2, 0, 0, 1, 0],
+    [2, 1, 2, 0, 0, 0, 0, 1],
+    [2, 0, 0, 0, 0, 1, 1, 2],
+    [0, 2, 0, 0, 1, 0, 2, 1],
+    [0, 0, 1, 0, 1, 2, 0, 2],
+    [0, 0, 0, 1, 2, 1, 2, 0],
+]
+NVLINK2_BYTES_PER_S = 25e9  # V100 SXM2 data sheet: 25 GB/s each way per NVLink
 TORCH_BENCH_MEMORY_BYTES_PER_S = 900e9  # V100 SXM2 data sheet
-# Throughput with bucket_cap_mb=1 against 25, p75, ResNet-50 (the README's diff).
-TORCH_BENCH_CAP_1_VS_25 = {8: -0.026, 16: -0.038}
+# Throughput with bucket_cap_mb=1 against 25, p75, ResNet-50 (the README's diff): the
+# change, and the p75 seconds per iteration with the 1 MiB cap. The rows hold 8 and 16.
+TORCH_BENCH_CAP_1_DIFF = {1: (-0.003, 0.101), 2: (-0.010, 0.104), 4: (-0.016, 0.105),
+                          8: (-0.026, 0.107), 16: (-0.038, 0.108)}  # fmt: skip
+TORCH_BENCH_CAP_1_VS_25 = {g: TORCH_BENCH_CAP_1_DIFF[g][0] for g in (8, 16)}
 GOYAL_E256 = 0.90
 LI_OVERLAP = {"resnet50": 0.380, "bert_large": 0.352}  # NCCL; Gloo: 26.8%, 21.5%
+LI_GPUS = 32
+# Li et al. do not give ResNet-50's batch: ASSUMED 32 per GPU, as torch's own DDP
+# benchmark (the same team, the same V100 servers) runs it; BERT-large at the preset's 8.
+LI_BATCH = {"resnet50": 32}
+GBIT = 1e9 / 8
+# What NCCL achieves across servers with one 100 Gbit/s NIC each: NVIDIA/nccl issue 235
+# (NVIDIA), all_reduce busbw about 10 GB/s on 2 AWS p3dn servers (V100) with one such NIC,
+# 6-8 GB/s on 8 to 32 servers. Li et al.'s 4 servers of 8 V100 sit between; 10 GB/s.
+LI_INTER_BUSBW = 10e9
 
 
 def resnext50_32x4d(device: str | None = None):
@@ -119,13 +144,117 @@ def torch_bench_step_s(workload, gpus: int, bucket_cap_mb: float = 25.0, sharing
     (`bucket_cap_mb` after a 1 MiB first bucket, or `bucket_cap_mb` for both when it is
     smaller, as torch takes a cap you give), overlapped, NCCL's ring."""
     from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.schedule import NO_SHARING, StageSchedule, simulate
     from profiling.simulate.topology import cost_model
 
-    topo = torch_bench_cluster().topology.with_gpus(gpus)
     buckets = torch_buckets(workload, bucket_cap_mb, min(1.0, bucket_cap_mb))
-    cost = cost_model(topo, "ring")
-    return simulate(workload, buckets, cost, StageSchedule(True), sharing or NO_SHARING).step_s
+    return _step_s(workload, buckets, cost_model(torch_bench_topology(gpus), "ring"), sharing)
+
+
+def torch_bench_topology(gpus: int):
+    """The benchmark's `gpus`: GPUs 0 to gpus - 1 of one server, or whole servers. Inside
+    one server, the NVLink bandwidth of the rings NCCL can lay over those GPUs: 1 ring
+    on GPUs 0-1 (one NVLink between them), 4 on 0-3, 6 on all 8."""
+    from dataclasses import replace
+
+    topo = torch_bench_cluster().topology.with_gpus(gpus)
+    if 1 < gpus <= topo.gpus_per_node:
+        rings = nvlink_rings(DGX1_NVLINKS, gpus)
+        return replace(topo, intra_bytes_per_s=rings * NVLINK2_BYTES_PER_S)
+    return topo
+
+
+def nvlink_rings(links: list[list[int]], gpus: int) -> int:
+    """The most rings over GPUs 0 to gpus - 1 that the links carry at once: each ring
+    enters and leaves every GPU once, one way round, and uses one NVLink of each pair
+    it joins in that direction (a pair of `links[u][v]` NVLinks carries that many rings
+    each way). Two GPUs make one ring per link between them."""
+    from itertools import permutations
+
+    if gpus == 2:
+        return links[0][1]
+    ring_edges = []
+    for rest in permutations(range(1, gpus)):
+        order = (0, *rest)
+        edges = [(order[i], order[(i + 1) % gpus]) for i in range(gpus)]
+        if all(links[u][v] for u, v in edges):
+            ring_edges.append(edges)
+    # No GPU can be in more rings than it has links (to the others) leaving it.
+    bound = min(sum(links[u][v] for v in range(gpus) if v != u) for u in range(gpus))
+    left = {(u, v): links[u][v] for u in range(gpus) for v in range(gpus)}
+    best = 0
+
+    def pack(start: int, laid: int) -> bool:  # depth first, stopping at the bound
+        nonlocal best
+        best = max(best, laid)
+        if best == bound:
+            return True
+        for i in range(start, len(ring_edges)):
+            if all(left[e] for e in ring_edges[i]):
+                for e in ring_edges[i]:
+                    left[e] -= 1
+                if pack(i, laid + 1):
+                    return True
+                for e in ring_edges[i]:
+                    left[e] += 1
+        return False
+
+    pack(0, 0)
+    return best
+
+
+def _step_s(workload, buckets, cost, sharing, overlap: bool = True) -> float:
+    """The step with `sharing`'s terms: its passes at the hooks and after the last
+    all-reduce (`terms.with_finalize`), its slowdown beside collectives."""
+    from profiling.simulate.schedule import NO_SHARING, StageSchedule, simulate
+    from profiling.simulate_published.terms import GpuSharing, with_finalize
+
+    sharing = sharing or NO_SHARING
+    if isinstance(sharing, GpuSharing):
+        sharing = sharing.for_buckets(workload, buckets)
+    w = with_finalize(workload, sharing)
+    return simulate(w, buckets, cost, StageSchedule(overlap), sharing).step_s
+
+
+def li_cluster(inter_bytes_per_s: float = LI_INTER_BUSBW):
+    """Li et al.'s 32 GPUs (the `li2020` preset) with the bus bandwidth NCCL achieves
+    across servers of one 100 Gbit/s NIC each, in place of the NIC's line rate."""
+    from dataclasses import replace
+
+    from profiling.simulate.clusters import cluster
+
+    return replace(cluster("li2020").topology, inter_bytes_per_s=inter_bytes_per_s)
+
+
+def li_workload(model: str, batch: int | None = None):
+    """ResNet-50 at `batch` images per GPU (LI_BATCH by default: torch's benchmark's own
+    0.097 s for 32), or BERT-large as the `li2020` comparisons take it (batch 8)."""
+    from dataclasses import replace
+
+    from profiling.simulate import presets
+
+    compute = presets.COMPUTE[model, "V100"]
+    batch = batch or LI_BATCH.get(model, compute.batch)
+    if model == "resnet50" and batch == TORCH_BENCH_BATCH:
+        compute = replace(compute, batch=batch,
+                          samples_per_s=batch / TORCH_BENCH_P50_S[model][NO_DDP],
+                          source=TORCH_BENCH + ": 0.097 s for 32 images without DDP")  # fmt: skip
+    elif batch != compute.batch:
+        raise ValueError(f"no published V100 time for {model} at batch {batch}")
+    return presets.workload(model, "V100", compute=compute)
+
+
+def li_speedup(model: str, batch: int | None = None, inter: float = LI_INTER_BUSBW,
+               sharing=None) -> float:  # fmt: skip
+    """Li et al.'s overlap speed-up at 32 GPUs, 25 MB buckets, NCCL's ring: all-reduce
+    after backward against during it, minus one."""
+    from profiling.simulate.layouts import uniform_buckets
+    from profiling.simulate.topology import cost_model
+
+    w = li_workload(model, batch)
+    cost = cost_model(li_cluster(inter).with_gpus(LI_GPUS), "ring")
+    buckets = uniform_buckets(w, 25)
+    after = _step_s(w, buckets, cost, sharing, overlap=False)
+    return after / _step_s(w, buckets, cost, sharing) - 1
 
 
 def rows(trace: str | Path | None = None) -> list[Row]:
@@ -139,12 +268,10 @@ def rows(trace: str | Path | None = None) -> list[Row]:
     variants = [None]
     if trace is not None:
         events = terms.load(trace)
-        copied = terms.copies(events, terms.A100_MEMORY_BYTES_PER_S)
+        work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
         beside = terms.beside_nccl(events)
-        grads = len(workloads["resnet50"].grads)  # the trace's model
         v100 = TORCH_BENCH_MEMORY_BYTES_PER_S
-        variants += [terms.sharing(copied, None, grads, v100),
-                     terms.sharing(copied, beside, grads, v100)]  # fmt: skip
+        variants += [terms.sharing(work, None, v100), terms.sharing(work, beside, v100)]
 
     def predictions(measure) -> dict:
         made = [measure(v) for v in variants] + [None, None]
@@ -176,19 +303,39 @@ def rows(trace: str | Path | None = None) -> list[Row]:
         ))  # fmt: skip
     compared = paper.compare()
     goyal = compared["goyal_efficiency"]["hierarchical_halving_doubling"][PER_PARAMETER]
-    # The papers' rows: the bare model only (`paper` does not take the terms yet).
+    # Goyal et al. trained with Caffe2 and Gloo, not DDP: the reducer's passes and the
+    # trace's NCCL are not theirs, so their row has the bare model only.
     out.append(Row(
         "Goyal et al.: resnet50, E(256) against 8 P100", GOYAL_E256,
         next(r["efficiency"] for r in goyal if r["gpus"] == 256), "E",
         "Goyal et al. 2017, sections 1 and 5.5: ~90% from 8 to 256 GPUs",
     ))  # fmt: skip
     for model, speedup in LI_OVERLAP.items():
+
+        def li(v, model=model) -> float:
+            return li_speedup(model, sharing=v) * 100
+
+        batch = LI_BATCH.get(model, 8)
         out.append(Row(
-            f"Li et al.: {model}, speed-up of overlapping, 32 GPUs, NCCL", speedup * 100,
-            compared["li_overlap"][model]["speedup"] * 100, "%",
-            "Li et al. 2020, section 5.1 (Figure 6)",
+            f"Li et al.: {model}, speed-up of overlapping, 32 GPUs, NCCL (batch {batch})",
+            speedup * 100, unit="%", source="Li et al. 2020, section 5.1 (Figure 6)",
+            **predictions(li),
         ))  # fmt: skip
     return out
+
+
+def li_sensitivity() -> list[list[str]]:
+    """Li et al.'s overlap speed-up as the unknown settings move: ResNet-50's batch, and
+    the bus bandwidth between servers (the NIC's line rate, or what NCCL achieves on
+    it); the bare model."""
+    rates = [(100 * GBIT, "100 Gbit/s line rate"), (LI_INTER_BUSBW, "10 GB/s (NCCL, 2 servers)"),
+             (6e9, "6 GB/s (NCCL, 8 or more)")]  # fmt: skip
+    table = []
+    for model, batches in (("resnet50", (32, 112)), ("bert_large", (8,))):
+        for batch in batches:
+            cells = [f"{li_speedup(model, batch, rate) * 100:+.1f}%" for rate, _ in rates]
+            table.append([f"{model}, batch {batch}", f"{LI_OVERLAP[model] * 100:+.1f}%", *cells])
+    return [["", "published", *(label for _, label in rates)], *table]
 
 
 def markdown(table: list[Row]) -> str:
@@ -211,14 +358,70 @@ def markdown(table: list[Row]) -> str:
         for r in table
     ]
     header = ["measurement", "published", "model"]
-    header += ["+ DDP's copies", "+ beside NCCL"] if terms else []
+    header += ["+ DDP's passes", "+ beside NCCL"] if terms else []
     header += ["error"]
     sources = sorted({r.source for r in table})
+    li = li_sensitivity()
+    spread, buckets = straggler_bound(), cost_per_bucket()
     return "\n".join([
         produced_by([command_line("profiling.simulate")]), "",
         markdown_table(header, body, left=1), "",
         "Sources: " + "; ".join(sources) + ".", "",
+        "Li et al.'s overlap speed-up as their unknown settings move (the bare model; "
+        "between servers, the NIC's line rate or the bus bandwidth NCCL achieves on one "
+        "100 Gbit/s NIC per server, NVIDIA/nccl issue 235):", "",
+        markdown_table(li[0], li[1:], left=1), "",
+        f"Stragglers: the benchmark prints one V100's p50 and p95 without DDP at the same "
+        f"millisecond ({spread['p50_s']:.3f} s for ResNet-50), so the step's spread is "
+        f"under 1 ms / 1.645 = {spread['sigma']:.1%} of it. The slowest of 16 such GPUs "
+        f"then costs at most {1 - spread['e16']:.1%}, and from 8 to 256 GPUs at most "
+        f"{(1 - spread['e256']) * 100:.1f} points; stragglers alone would make Goyal et "
+        f"al.'s E(256) = {GOYAL_E256:.2f} only with a spread of {spread['goyal_sigma']:.1%}.",
+        "",
+        f"Each of the {buckets[0]['extra_buckets']} extra buckets of the 1 MiB cap cost "
+        + ", ".join(f"{b['per_bucket_s'] * 1e6:.0f} µs" for b in buckets)
+        + " at " + ", ".join(str(b["gpus"]) for b in buckets) + " GPUs (the diff's change "
+        "times its iteration); NCCL's latency for one all-reduce, in the model: "
+        + ", ".join(f"{b['nccl_latency_s'] * 1e6:.0f} µs" for b in buckets[1:]) + " at 2 "
+        "GPUs and up.",
+        "",
     ])  # fmt: skip
+
+
+def cost_per_bucket() -> list[dict]:
+    """What each extra bucket of the 1 MiB cap cost in the benchmark (its diff: the
+    change times the iteration), against the latency NCCL's model gives one all-reduce
+    at that GPU count (the step model's, which it hides under backward)."""
+    from profiling.simulate.layouts import torch_buckets
+    from profiling.simulate.topology import cost_model
+
+    w = torch_bench_workload("resnet50")
+    extra = len(torch_buckets(w, 1.0, 1.0)) - len(torch_buckets(w, 25.0, 1.0))
+    out = []
+    for gpus, (change, p75_s) in TORCH_BENCH_CAP_1_DIFF.items():
+        cost = cost_model(torch_bench_topology(gpus), "ring")
+        latency = cost(2**20).latency_s if gpus > 1 else 0.0
+        out.append({"gpus": gpus, "extra_buckets": extra,
+                    "per_bucket_s": -change * p75_s / extra,
+                    "nccl_latency_s": latency})  # fmt: skip
+    return out
+
+
+def straggler_bound() -> dict:
+    """What stragglers can cost, from the spread torch's benchmark shows on one GPU:
+    its p95 - p50 under the 1 ms its README prints (a normal law's p95 is 1.645 sigma
+    above its median)."""
+    from profiling.simulate_published.terms import straggler_efficiency, straggler_sigma_for
+
+    p50 = TORCH_BENCH_P50_S["resnet50"][NO_DDP]
+    sigma = 1e-3 / 1.645 / p50
+    return {
+        "p50_s": p50,
+        "sigma": sigma,
+        "e16": straggler_efficiency(sigma, 16, 1),
+        "e256": straggler_efficiency(sigma, 256, 8),
+        "goyal_sigma": straggler_sigma_for(GOYAL_E256, 256, 8),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

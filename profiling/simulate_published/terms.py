@@ -2,19 +2,26 @@
 
     python -m profiling.simulate published --terms-from TRACE   # measure, then predict
 
-- **DDP's gradient copies.** torch's DDP copies every gradient into its bucket and the
-  average back (with `gradient_as_bucket_view=False`, the default): device-to-device
-  copies on the compute stream, which a GPU with nothing to send pays too. Measured as
-  the trace's `Memcpy DtoD` events per step, fitted as a fixed time per copy plus bytes
-  at a share of the GPU's memory bandwidth (`copies`).
+- **DDP's own passes over the gradients.** torch's DDP (with `gradient_as_bucket_view=
+  False`, the default) moves every gradient through its bucket on the compute stream,
+  which a GPU with nothing to send pays too. The trace's reducer (torch 2.x) makes two
+  passes: `reducer::mul_out` writes gradient / world size into the bucket at the hook
+  (an elementwise kernel), and `copy_bucket_to_grad` copies the average back after the
+  last all-reduce (a `Memcpy DtoD`). Each kind is measured as the GPU work those CPU
+  ops launched, fitted as a fixed time per launch plus the gradient's bytes at a share
+  of the GPU's memory bandwidth (`reducer_work`). torch 1.4's reducer, which the
+  benchmark ran, made three: `copy_` into the bucket at the hook, `div_` of the whole
+  bucket once it is full, and the copy back after the last all-reduce
+  (`torch/csrc/distributed/c10d/reducer.cpp` of that release).
 - **Compute beside NCCL.** NCCL's kernels take streaming multiprocessors and memory
   bandwidth from backward's. Measured as the time-weighted ratio of a compute kernel's
   duration while an NCCL kernel runs to its duration alone, over kernels of the same
   name, grid and block that ran both ways (`beside_nccl`).
 
-`GpuSharing` puts both into the model: the copies on the compute lane at each gradient's
-hook (two copies per gradient, as the trace has), and backward `slowdown` = ratio - 1
-slower while a collective is in flight. Either can be switched off (0).
+`GpuSharing` puts both into the model: the passes at each hook on the compute lane, the
+copy back after the last all-reduce (`finalize_s`, before the optimizer), and backward
+`slowdown` = ratio - 1 slower while a collective is in flight. Either can be switched
+off.
 
 The trace the docs use is a real one recorded by others: torch's DDP training
 ResNet-50 on two A100s with NCCL 2.17.1 (rank 0, 3 steps; HolisticTraceAnalysis's test
@@ -23,24 +30,41 @@ data, `tests/fixtures/gpu-traces/a100-ddp-resnet50`).
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from profiling.simulate.schedule import Grad, Sharing
+from profiling.simulate.schedule import Grad, Sharing, Workload
 
 A100_MEMORY_BYTES_PER_S = 1555e9  # A100 40GB SXM data sheet
 DOCS_TRACE = "tests/fixtures/gpu-traces/a100-ddp-resnet50/a100-ddp-resnet50-rank0.json.gz"
+# The CPU ops of torch 2.x's reducer whose GPU work is a pass over one gradient.
+SCALE_OP = "torch::distributed::reducer::mul_out"
+COPY_OP = "torch.distributed.ddp.reducer::copy_bucket_to_grad"
+# PyTorch's vectorized elementwise kernels (aten/src/ATen/native/cuda/Loops.cuh): 128
+# threads a block, 4 elements a thread; float32 gradients.
+ELEMENTS_PER_THREAD, FLOAT32_BYTES = 4, 4
 
 
 @dataclass(frozen=True)
-class Copies:
-    """DDP's device-to-device copies, per traced step."""
+class Pass:
+    """One kind of DDP's pass over a gradient on the GPU, per traced step."""
 
-    per_step: float  # copies
-    bytes_per_step: float
-    fixed_s: float  # each copy's fixed time
-    share_of_memory_bandwidth: float  # bytes copied per second over the GPU's peak
+    launches_per_step: float
+    bytes_per_step: float  # the gradients' bytes (each pass reads and writes them)
+    fixed_s: float  # each launch's fixed time
+    share_of_memory_bandwidth: float  # gradient bytes per second over the GPU's peak
+
+    def seconds(self, nbytes: float, memory_bytes_per_s: float) -> float:
+        """One launch over `nbytes` on a GPU of `memory_bytes_per_s`."""
+        return self.fixed_s + nbytes / (self.share_of_memory_bandwidth * memory_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class ReducerWork:
+    scale: Pass  # gradient / world size into the bucket (an elementwise kernel)
+    copy: Pass  # a gradient's bytes between its tensor and the bucket (a Memcpy DtoD)
 
 
 @dataclass(frozen=True)
@@ -57,18 +81,57 @@ def load(path: str | Path) -> list[dict]:
     return complete_events(load_trace(Path(path)))
 
 
-def copies(events: list[dict], memory_bytes_per_s: float) -> Copies:
-    """The trace's `Memcpy DtoD` events: per step, and the least-squares line of duration
-    against bytes (the fixed time is its intercept, the bandwidth its slope)."""
-    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))
-    dtod = [e for e in events if e.get("name", "").startswith("Memcpy DtoD")]
-    if not steps or len(dtod) < 2:
-        raise ValueError(f"no DDP copies to measure: {len(dtod)} Memcpy DtoD in {steps} steps")
-    xs = [float(e["args"]["bytes"]) for e in dtod]
-    ys = [float(e["dur"]) * 1e-6 for e in dtod]
+def launched_by(events: list[dict], op: str) -> list[dict]:
+    """The GPU events (kernels, copies) that the CPU op `op` launched: the runtime calls
+    inside each of its calls on its thread, joined to the GPU by their correlation id."""
+    on_gpu = {e["args"]["correlation"]: e for e in events
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+              and "correlation" in e.get("args", {})}  # fmt: skip
+    runtime: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            runtime.setdefault(e.get("tid"), []).append(e)
+    out = []
+    for call in (e for e in events if e.get("name") == op):
+        end = call["ts"] + call["dur"]
+        for r in runtime.get(call.get("tid"), []):
+            if call["ts"] <= r["ts"] <= end and (g := on_gpu.get(r["args"].get("correlation"))):
+                out.append(g)
+    return out
+
+
+def gradient_bytes(gpu_event: dict) -> float:
+    """The bytes a pass moved: a copy's own count, or an elementwise kernel's elements
+    (grid x block x 4, rounded up to a whole block) in float32."""
+    args = gpu_event["args"]
+    if "bytes" in args:
+        return float(args["bytes"])
+    threads = math.prod(args["grid"]) * math.prod(args["block"])
+    return float(threads * ELEMENTS_PER_THREAD * FLOAT32_BYTES)
+
+
+def fit_pass(gpu_events: list[dict], steps: int, memory_bytes_per_s: float) -> Pass:
+    """The least-squares line of duration against bytes: the fixed time is its
+    intercept, the bandwidth its slope."""
+    if len(gpu_events) < 2:
+        raise ValueError(f"no DDP pass to measure: {len(gpu_events)} launches in {steps} steps")
+    xs = [gradient_bytes(e) for e in gpu_events]
+    ys = [float(e["dur"]) * 1e-6 for e in gpu_events]
     slope, intercept = statistics.linear_regression(xs, ys)
-    return Copies(len(dtod) / steps, sum(xs) / steps, max(intercept, 0.0),
-                  1 / slope / memory_bytes_per_s)  # fmt: skip
+    return Pass(len(xs) / steps, sum(xs) / steps, max(intercept, 0.0),
+                1 / slope / memory_bytes_per_s)  # fmt: skip
+
+
+def reducer_work(events: list[dict], memory_bytes_per_s: float) -> ReducerWork:
+    """torch's reducer's two passes in a trace of torch's DDP (torch 2.x, the default
+    `gradient_as_bucket_view=False`), each fitted on its own launches."""
+    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    if not steps:
+        raise ValueError("no ProfilerStep# in the trace: cannot count per step")
+    return ReducerWork(
+        scale=fit_pass(launched_by(events, SCALE_OP), steps, memory_bytes_per_s),
+        copy=fit_pass(launched_by(events, COPY_OP), steps, memory_bytes_per_s),
+    )
 
 
 def beside_nccl(events: list[dict]) -> BesideNccl:
@@ -102,33 +165,85 @@ def beside_nccl(events: list[dict]) -> BesideNccl:
 
 @dataclass(frozen=True)
 class GpuSharing(Sharing):
-    """The bare model's sharing (`slowdown`) plus DDP's copies of each gradient."""
+    """The bare model's sharing (`slowdown`) plus DDP's passes over each gradient on a
+    GPU of `memory_bytes_per_s`: at its hook (`hook_s`), and the copy back after the
+    last all-reduce (`finalize_s`)."""
 
-    copies_per_grad: float = 0.0
-    copy_fixed_s: float = 0.0
-    copy_bytes_per_s: float = float("inf")
+    work: ReducerWork | None = None
+    memory_bytes_per_s: float = 0.0
+    # torch 1.4's reducer: copy_ into the bucket at the hook, then div_ of the bucket;
+    # False: torch 2.x's one mul_out that does both.
+    copy_then_divide: bool = True
+    # The gradients whose hook finds their bucket full (`for_buckets`): torch 1.4's
+    # div_ of the whole bucket runs there, one launch per bucket.
+    bucket_last: frozenset[str] = frozenset()
 
     def hook_s(self, grad: Grad) -> float:
-        """The gradient's copies: into its bucket and back, on the compute stream."""
-        return self.copies_per_grad * self.copy_fixed_s + grad.nbytes / self.copy_bytes_per_s
+        if self.work is None:
+            return 0.0
+        scale = self.work.scale.seconds(grad.nbytes, self.memory_bytes_per_s)
+        if not self.copy_then_divide:
+            return scale
+        copy = self.work.copy.seconds(grad.nbytes, self.memory_bytes_per_s)
+        # The bucket's div_ passes over every gradient's bytes, launched once.
+        launch = self.work.scale.fixed_s if grad.name in self.bucket_last else 0.0
+        return copy + scale - self.work.scale.fixed_s + launch
+
+    def for_buckets(self, workload: Workload, buckets) -> GpuSharing:
+        """This sharing for `buckets` (lists of indices into workload.grads)."""
+        last = {workload.grads[max(b, key=lambda i: workload.grads[i].ready_s)].name
+                for b in buckets if b}  # fmt: skip
+        return replace(self, bucket_last=frozenset(last))
+
+    def finalize_s(self, workload: Workload) -> float:
+        """The copy of every average back into its gradient, once the last all-reduce
+        has ended (the reducer's finalize, on the compute stream, before the optimizer)."""
+        if self.work is None:
+            return 0.0
+        return sum(self.work.copy.seconds(g.nbytes, self.memory_bytes_per_s)
+                   for g in workload.grads)  # fmt: skip
+
+
+def with_finalize(workload: Workload, sharing: Sharing) -> Workload:
+    """The workload with the reducer's copy back before its optimizer: in the schedule
+    both run on the compute lane after the last all-reduce, one after the other."""
+    extra = sharing.finalize_s(workload) if isinstance(sharing, GpuSharing) else 0.0
+    return replace(workload, optimizer_s=workload.optimizer_s + extra)
 
 
 def sharing(
-    copied: Copies | None,
-    beside: BesideNccl | None,
-    grads_in_trace: int,
-    memory_bytes_per_s: float,
+    work: ReducerWork | None, beside: BesideNccl | None, memory_bytes_per_s: float
 ) -> GpuSharing:
     """The terms measured on one GPU's trace, carried to a GPU of `memory_bytes_per_s`:
-    the same copies per gradient and fixed time, the same share of memory bandwidth, the
-    same slowdown beside NCCL. None: that term off."""
+    the same fixed times, the same shares of memory bandwidth, the same slowdown beside
+    NCCL. None: that term off."""
     slowdown = 0.0 if beside is None else beside.ratio - 1
-    if copied is None:
-        return GpuSharing(slowdown)
-    return GpuSharing(
-        slowdown,
-        copies_per_grad=copied.per_step / grads_in_trace,
-        copy_fixed_s=copied.fixed_s,
-        # The trace copies each gradient's bytes once per step in all (see Copies).
-        copy_bytes_per_s=copied.share_of_memory_bandwidth * memory_bytes_per_s,
-    )
+    return GpuSharing(slowdown, work=work, memory_bytes_per_s=memory_bytes_per_s)
+
+
+# ---------------------------------------------------------------------------------------
+# Stragglers: every step waits for the slowest of p GPUs. With each GPU's step drawn
+# independently from a normal law of relative spread sigma, the step is on average
+# 1 + sigma * m(p) times the mean, m(p) the expected largest of p standard normal draws.
+
+
+def expected_max_normal(p: int) -> float:
+    """m(p) = E[max of p standard normal draws] = integral of x p phi(x) Phi(x)^(p-1)
+    (m(1) = 0, m(2) = 1/sqrt(pi)), by the trapezoid rule on [-8, 8] in steps of 1/1000."""
+    if p < 1:
+        raise ValueError(f"expected_max_normal: p = {p}, at least 1 draw")
+    law = statistics.NormalDist()
+    xs = [i / 1000 for i in range(-8000, 8001)]
+    ys = [x * p * law.pdf(x) * law.cdf(x) ** (p - 1) for x in xs]
+    return (sum(ys) - (ys[0] + ys[-1]) / 2) / 1000
+
+
+def straggler_efficiency(sigma: float, gpus: int, reference: int) -> float:
+    """E(gpus) against `reference` GPUs when stragglers are all that differs."""
+    return (1 + sigma * expected_max_normal(reference)) / (1 + sigma * expected_max_normal(gpus))
+
+
+def straggler_sigma_for(efficiency: float, gpus: int, reference: int) -> float:
+    """The spread sigma at which stragglers alone make E(gpus) = `efficiency`."""
+    m, m_ref = expected_max_normal(gpus), expected_max_normal(reference)
+    return (1 - efficiency) / (efficiency * m - m_ref)
