@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from profiling.simulate_published import compare as published
+from profiling.simulate_published import torch_bench
 
 
 def test_torchs_benchmark_efficiencies_are_its_readme_figures():
@@ -23,7 +24,7 @@ def test_torchs_benchmark_efficiencies_are_its_readme_figures():
 def test_every_row_is_published_predicted_and_sourced():
     rows = published.rows()  # the bare model
     assert len(rows) == 4 * 5 + 2 + 1 + 2  # the benchmark, its caps, Goyal, Li
-    assert all(r.with_copies is None and r.with_terms is None for r in rows)
+    assert all(r.with_passes is None and r.with_terms is None for r in rows)
     for r in rows:
         assert r.source and r.unit in ("E", "%")
         if r.unit == "E":
@@ -34,10 +35,13 @@ def test_every_row_is_published_predicted_and_sourced():
     assert one_gpu.error == pytest.approx(1.0 - 0.097 / 0.100)
 
 
-def test_published_writes_its_table_under_out(tmp_path):
+def test_published_writes_its_table_and_figure_under_out(tmp_path, monkeypatch):
     from profiling.simulate.cli import main
+    from tests.figures import assert_legible, record_font_sizes
 
+    sizes = record_font_sizes(monkeypatch)
     main(["published", "--out", str(tmp_path)])
+    assert_legible(tmp_path / "published.png", sizes)
     text = (tmp_path / "published.md").read_text()
     assert "| measurement | published | model | + DDP's passes | + beside NCCL | error |" in text
     assert "resnext101_32x8d, 16 GPUs" in text and "Goyal et al." in text
@@ -92,8 +96,16 @@ def traced_passes() -> list[dict]:
             "ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
             "ts": 6000 + 100 * i, "dur": 1 + nbytes / 2000, "args": {"bytes": nbytes}},
             correlation=20 + i)  # fmt: skip
-    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
-                   "ts": 8000, "dur": 500, "args": {"bytes": 10, "correlation": 99}})  # fmt: skip
+    # Copies the reducer's ops did not launch, each 500 us for 10 bytes: one with no
+    # runtime call, one launched on the op's thread after the op, one launched during
+    # the op on another thread.
+    for correlation, ts, tid in ((97, 5000 + 50, 1), (98, 5000 + 3, 2), (99, None, None)):
+        args = {"correlation": correlation}
+        if ts is not None:
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync",
+                           "ts": ts, "dur": 1, "tid": tid, "args": args})  # fmt: skip
+        events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
+                       "ts": 8000, "dur": 500, "args": {"bytes": 10, **args}})  # fmt: skip
     return events
 
 
@@ -104,36 +116,68 @@ def test_reducer_passes_fit_a_fixed_time_and_a_bandwidth_by_hand():
     assert work.scale.launches_per_step == 2 and work.scale.bytes_per_step == 4096 + 12288
     assert work.scale.fixed_s == pytest.approx(2e-6)
     assert work.scale.share_of_memory_bandwidth == pytest.approx(1.0)  # 1000 bytes per us
-    assert work.copy.launches_per_step == 2  # the buffer's copy is not the reducer's
+    assert work.copy.launches_per_step == 2  # the stray copies are not the reducer's
     assert work.copy.fixed_s == pytest.approx(1e-6)
     assert work.copy.share_of_memory_bandwidth == pytest.approx(2.0)
 
 
-def test_gpu_sharing_puts_torch_1_4s_passes_at_the_hooks_and_the_copy_back_after():
+def hand_sharing():
+    """Passes of 1 us + 1 us per 1000 bytes (a copy) and 2 us + 1 us per 2000 bytes (a
+    scale), on a GPU of 2e9 bytes/s; backward 1.25x as long beside NCCL."""
     from profiling.simulate.schedule import Grad, Workload
     from profiling.simulate_published import terms
 
-    one_us_per_kb = terms.Pass(2, 0, fixed_s=2e-6, share_of_memory_bandwidth=0.5)
-    copy = terms.Pass(2, 0, fixed_s=1e-6, share_of_memory_bandwidth=1.0)
+    copy = terms.Pass(2, 0, fixed_s=1e-6, share_of_memory_bandwidth=0.5)
+    scale = terms.Pass(2, 0, fixed_s=2e-6, share_of_memory_bandwidth=1.0)
     beside = terms.BesideNccl(ratio=1.25, kernel_s=1e-3, shapes=3)
-    sharing = terms.sharing(terms.ReducerWork(one_us_per_kb, copy), beside, 2e9)
-    assert sharing.slowdown == pytest.approx(0.25)
     a, b = Grad("a", 10**6, 1e-3), Grad("b", 2 * 10**6, 2e-3)
     w = Workload((a, b), forward_s=1e-3, backward_s=2e-3, optimizer_s=1e-3)
+    return terms.sharing(terms.ReducerWork(scale, copy), beside, 2e9), w
+
+
+def test_gpu_sharing_puts_torch_1_4s_passes_where_its_reducer_does():
+    sharing, w = hand_sharing()
+    a, b = w.grads
+    assert sharing.slowdown == pytest.approx(0.25)
     one_bucket = sharing.for_buckets(w, [[0, 1]])
-    # At a's hook: copy_ (1 us + 1e6 bytes at 2e9/s) and div_'s bytes (at 1e9/s), no
-    # launch; at b's, which fills the bucket, div_'s launch too (2 us).
-    assert one_bucket.hook_s(a) == pytest.approx(1e-6 + 0.5e-3 + 1e-3)
-    assert one_bucket.hook_s(b) == pytest.approx(1e-6 + 1e-3 + 2e-3 + 2e-6)
-    assert sharing.for_buckets(w, [[0], [1]]).hook_s(a) == pytest.approx(1e-6 + 1.5e-3 + 2e-6)
-    # torch 2.x: one mul_out a gradient, launched each time.
-    modern = replace(one_bucket, copy_then_divide=False)
-    assert modern.hook_s(a) == pytest.approx(2e-6 + 1e-3)
-    # The copy back of both after the last all-reduce, before the optimizer.
-    assert sharing.finalize_s(w) == pytest.approx(2e-6 + 1.5e-3)
-    assert terms.with_finalize(w, sharing).optimizer_s == pytest.approx(1e-3 + 2e-6 + 1.5e-3)
-    off = terms.sharing(None, None, 2e9)
-    assert off.slowdown == 0 and off.hook_s(a) == 0 and off.finalize_s(w) == 0
+    # At a's hook: copy_ (1 us + 1 ms for 1e6 bytes) and div_'s pass over its bytes at
+    # the copy's bandwidth (1 ms); at b's, which fills the bucket, div_'s launch (2 us).
+    assert one_bucket.hook_s(a) == pytest.approx(1e-6 + 1e-3 + 1e-3)
+    assert one_bucket.hook_s(b) == pytest.approx(1e-6 + 2e-3 + 2e-3 + 2e-6)
+    assert sharing.for_buckets(w, [[0], [1]]).hook_s(a) == pytest.approx(1e-6 + 2e-3 + 2e-6)
+    # Not overlapped: all of them after backward.
+    assert one_bucket.after_backward_s(w) == pytest.approx(2e-6 + 6e-3 + 2e-6)
+    # The copy back, a bucket at a time: one copy a gradient.
+    assert one_bucket.copy_out_s(3 * 10**6) == pytest.approx(2e-6 + 3e-3)
+    with pytest.raises(ValueError, match="no bucket of 5 bytes"):
+        one_bucket.copy_out_s(5)
+    with pytest.raises(ValueError, match="for_buckets first"):
+        sharing.hook_s(a)
+    # torch 2.x: one mul_out a gradient, launched each time, at the scale's bandwidth.
+    modern = replace(sharing, copy_then_divide=False)
+    assert modern.hook_s(a) == pytest.approx(2e-6 + 0.5e-3)
+    off = replace(sharing, work=None)
+    assert off.hook_s(a) == 0 and off.copy_out_s(5) == 0
+
+
+def test_gpu_sharing_in_the_whole_schedule_by_hand():
+    from profiling.simulate.schedule import Cost
+    from profiling.simulate_published.torch_bench import step_s
+
+    sharing, w = hand_sharing()
+    sharing = replace(sharing, slowdown=0.0)
+
+    def cost(nbytes: int) -> Cost:  # 1 ms per 1e6 bytes, no latency
+        return Cost(0.0, nbytes / 1e9)
+
+    # One bucket, overlapped: forward 1 ms; backward 2 ms plus the hooks' 6.004 ms of
+    # passes; the all-reduce 3 ms; the copy back 3.002 ms; the optimizer 1 ms.
+    overlapped = 1e-3 + (2e-3 + 6.004e-3) + 3e-3 + 3.002e-3 + 1e-3
+    assert step_s(w, [[0, 1]], cost, sharing) == pytest.approx(overlapped)
+    # Not overlapped: the same work, the passes all after backward.
+    assert step_s(w, [[0, 1]], cost, sharing, overlap=False) == pytest.approx(overlapped)
+    # Two buckets, overlapped: b's (ready first) all-reduces while a's hook runs.
+    assert step_s(w, [[1], [0]], cost, sharing) < overlapped
 
 
 def test_the_terms_measured_on_the_docs_trace():
@@ -147,20 +191,40 @@ def test_the_terms_measured_on_the_docs_trace():
     assert work.copy.bytes_per_step == pytest.approx(102.2e6, rel=0.001)
     assert work.scale.bytes_per_step == pytest.approx(102.2e6, rel=0.002)  # from the grids
     assert 1.5e-6 < work.copy.fixed_s < 2.5e-6 and 0.3 < work.copy.share_of_memory_bandwidth < 0.45
+    # The scale kernels ran at the A100's whole memory bandwidth in gradient bytes: the
+    # gradients backward had just written were still in its 40 MB L2.
+    assert 0.95 < work.scale.share_of_memory_bandwidth < 1.15
     assert 1.05 < terms.beside_nccl(events).ratio < 1.15
 
 
 def test_nvlink_rings_by_hand_and_on_the_benchmarks_dgx1():
     # Three GPUs in a triangle of single links: one ring each way round.
     triangle = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
-    assert published.nvlink_rings(triangle, 3) == 2
+    assert torch_bench.nvlink_rings(triangle, 3) == 2
     # A path 0-1-2 with no link 2-0 closes no ring; two GPUs make one ring per link.
-    assert published.nvlink_rings([[0, 1, 0], [1, 0, 1], [0, 1, 0]], 3) == 0
-    assert published.nvlink_rings([[0, 2], [2, 0]], 2) == 2
-    rings = {g: published.nvlink_rings(published.DGX1_NVLINKS, g) for g in (2, 4, 8)}
+    assert torch_bench.nvlink_rings([[0, 1, 0], [1, 0, 1], [0, 1, 0]], 3) == 0
+    assert torch_bench.nvlink_rings([[0, 2], [2, 0]], 2) == 2
+    # Four GPUs whose links allow 3 rings by every GPU's count, but whose only two
+    # Hamiltonian cycles (0-1-2-3 and its reverse) each use 0-3's single link one way.
+    square = [[0, 2, 0, 1], [2, 0, 1, 0], [0, 1, 0, 2], [1, 0, 2, 0]]
+    assert torch_bench.nvlink_rings(square, 4) == 2
+    rings = {g: torch_bench.nvlink_rings(torch_bench.DGX1_NVLINKS, g) for g in (2, 4, 8)}
     assert rings == {2: 1, 4: 4, 8: 6}  # GPU 0's links among the first g: 1, 4 and 6
-    assert published.torch_bench_topology(2).intra_bytes_per_s == 25e9
-    assert published.torch_bench_topology(16).intra_bytes_per_s == 150e9
+    assert torch_bench.torch_bench_topology(2).intra_bytes_per_s == 25e9
+    assert torch_bench.torch_bench_topology(16).intra_bytes_per_s == 150e9
+    with pytest.raises(ValueError, match="GPUs 0 to 4 of a DGX-1 close no NVLink ring"):
+        torch_bench.torch_bench_topology(5)
+
+
+def test_torch_1_4s_layout_launches_the_first_defined_parameters_last():
+    from profiling.simulate.schedule import Grad, Workload
+
+    mib = 2**20  # five gradients defined in this order, of 0.5, 0.75, 2, 3 and 1 MiB
+    sizes = (mib // 2, 3 * mib // 4, 2 * mib, 3 * mib, mib)
+    w = Workload(tuple(Grad(f"g{i}", n, 0.0) for i, n in enumerate(sizes)), 0, 0, 0)
+    # In definition order: [g0, g1] passes 1 MiB and closes; then at a 4 MiB cap
+    # [g2, g3] passes 4 MiB; [g4] is left. Reversed, the first-defined go last.
+    assert torch_bench.torch14_buckets(w, 4.0) == [[4], [2, 3], [0, 1]]
 
 
 def test_li_overlap_speedup_moves_with_its_unknown_settings():
@@ -180,10 +244,10 @@ def test_each_term_lowers_the_benchmarks_efficiencies():
 
     rows = [r for r in published.rows(terms.DOCS_TRACE) if r.what.endswith("without DDP")]
     for r in rows:
-        assert r.with_terms <= r.with_copies + 1e-9 and r.with_copies < r.predicted, r
+        assert r.with_terms <= r.with_passes + 1e-9 and r.with_passes < r.predicted, r
     one_gpu = [r for r in rows if ", 1 GPU:" in r.what]
-    # On one GPU nothing is sent: only the copies cost anything, and both columns agree.
-    assert all(r.with_terms == pytest.approx(r.with_copies) for r in one_gpu)
+    # On one GPU nothing is sent: only the passes cost anything, and both columns agree.
+    assert all(r.with_terms == pytest.approx(r.with_passes) for r in one_gpu)
 
 
 def test_stragglers_by_hand():
@@ -201,18 +265,21 @@ def test_stragglers_by_hand():
     expected = (1 + 0.1 * m8) / (1 + 0.1 * m256)
     assert terms.straggler_efficiency(0.1, 256, 8) == pytest.approx(expected)
     sigma = terms.straggler_sigma_for(0.9, 256, 8)
+    assert sigma == pytest.approx(0.1 / (0.9 * 2.8268633 - 1.4236003), rel=1e-6)
     assert terms.straggler_efficiency(sigma, 256, 8) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="stays above 0.504"):  # m(8) / m(256)
+        terms.straggler_sigma_for(0.5, 256, 8)
     with pytest.raises(ValueError, match="p = 0"):
         terms.expected_max_normal(0)
 
 
 def test_cost_per_bucket_and_the_straggler_bound_from_the_readme():
-    per_bucket = {b["gpus"]: b for b in published.cost_per_bucket()}
+    per_bucket = {b["gpus"]: b for b in torch_bench.cost_per_bucket()}
     # ResNet-50 in torch's layout: 35 buckets at 1 MiB, 5 at 25 MiB after the first 1 MiB.
     assert per_bucket[8]["extra_buckets"] == 30
-    assert per_bucket[8]["per_bucket_s"] == pytest.approx(0.026 * 0.107 / 30)
+    assert per_bucket[8]["per_bucket_s"] == pytest.approx(92.7e-6, abs=0.05e-6)
     # NCCL's latency at 8 GPUs of one server: 8.4 us a call and 14 ring steps of 3.4 us.
     assert per_bucket[8]["nccl_latency_s"] == pytest.approx(8.4e-6 + 14 * 3.4e-6)
-    bound = published.straggler_bound()
-    assert bound["sigma"] == pytest.approx(1e-3 / 1.645 / 0.097)
-    assert 0.98 < bound["e16"] < 1 and 0.08 < bound["goyal_sigma"] < 0.1
+    bound = torch_bench.straggler_bound()
+    assert bound["sigma"] == pytest.approx(0.006267, abs=1e-6)
+    assert 0.98 < bound["e16"] < 1 and 0.99 < bound["e256"] < 1

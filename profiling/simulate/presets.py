@@ -278,7 +278,8 @@ COMPUTE = {
     ),
     # Goyal et al. give no single-GPU time. TensorFlow's own benchmarks timed ResNet-50
     # at 32 images on one P100 of a DGX-1 in the same months (May 2017, CUDA 8, cuDNN
-    # 5.1): 195 images/s on synthetic data, 0.164 s an iteration.
+    # 5.1): 195 images/s on synthetic data, 0.164 s an iteration. Its parameters lived
+    # on the CPU (variable_update parameter_server), so some of that is their traffic.
     ("resnet50", "P100"): Compute(
         "P100", 32, 195.0,
         "tensorflow/tensorflow tensorflow/docs_src/performance/benchmarks.md, 'Details for "

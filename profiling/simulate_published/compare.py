@@ -1,7 +1,7 @@
 """Published measurements of DDP, beside what the step model predicts for each.
 
-    python -m profiling.simulate published            # the table, under runs/simulate/
-    python -m profiling.simulate published --docs     # the docs' own (docs/results/)
+    python -m profiling.simulate published            # table and figure, under runs/simulate/
+    python -m profiling.simulate published --docs     # the docs' own (docs/results, images)
 
 Each row is a measurement someone else made and published:
 
@@ -17,11 +17,13 @@ Each row is a measurement someone else made and published:
 - Li et al., "PyTorch Distributed" (VLDB 2020): overlapping communication with backward
   speeds up ResNet-50 and BERT by 38.0% and 35.2% on NCCL.
 
-The predictions are the step model's (`schedule.simulate`) on the benchmark's DGX-1
-servers (`torch_bench_cluster`) and the `goyal2017` and `li2020` presets, each iteration
-time the published one (for torch's benchmark: its own one-GPU time without DDP), split
-over backward by FLOPs, with the layout torch's DDP builds (25 MiB after a 1 MiB first
-bucket, in ready order).
+The predictions are the step model's (`schedule.simulate`): on the benchmark's DGX-1
+servers (`torch_bench`) from its own one-GPU time without DDP, with the layout torch's
+DDP builds (25 MiB after a 1 MiB first bucket, in ready order); on the `goyal2017`
+preset; and on the `li2020` preset with the bus bandwidth NCCL achieves between its
+servers and ResNet-50 at an assumed 32 images per GPU (`li_sensitivity` shows how the
+answer moves with both). Backward is split by FLOPs. With a trace, the terms measured
+on it (`terms`) are added one at a time.
 """
 
 from __future__ import annotations
@@ -29,84 +31,40 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-TORCH_BENCH = "pytorch/pytorch benchmarks/distributed/ddp/README.md"
-NO_DDP = 0  # the key of the one-GPU time without DDP
-# p50 seconds per iteration, 32 images per GPU: GPUs -> seconds (NO_DDP: without DDP).
-TORCH_BENCH_P50_S = {
-    "resnet50": {NO_DDP: 0.097, 1: 0.100, 2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104},
-    "resnet101": {NO_DDP: 0.162, 1: 0.171, 2: 0.176, 4: 0.176, 8: 0.179, 16: 0.179},
-    "resnext50_32x4d": {NO_DDP: 0.145, 1: 0.147, 2: 0.153, 4: 0.153, 8: 0.157, 16: 0.157},
-    "resnext101_32x8d": {NO_DDP: 0.415, 1: 0.425, 2: 0.438, 4: 0.439, 8: 0.447, 16: 0.450},
-}
-TORCH_BENCH_BATCH = 32
-# The NVLinks between each pair of the benchmark's GPUs 0-7 (NV1, NV2; 0: none), as
-# the `nvidia-smi topo -m` in its README prints them: DGX-1's hybrid cube mesh.
-DGX1_NVLINKS = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-]
-NVLINK2_BYTES_PER_S = 25e9  # V100 SXM2 data sheet: 25 GB/s each way per NVLink
-TORCH_BENCH_MEMORY_BYTES_PER_S = 900e9  # V100 SXM2 data sheet
-# Throughput with bucket_cap_mb=1 against 25, p75, ResNet-50 (the README's diff): the
-# change, and the p75 seconds per iteration with the 1 MiB cap. The rows hold 8 and 16.
-TORCH_BENCH_CAP_1_DIFF = {1: (-0.003, 0.101), 2: (-0.010, 0.104), 4: (-0.016, 0.105),
-                          8: (-0.026, 0.107), 16: (-0.038, 0.108)}  # fmt: skip
-TORCH_BENCH_CAP_1_VS_25 = {g: TORCH_BENCH_CAP_1_DIFF[g][0] for g in (8, 16)}
+from profiling.simulate_published.terms import GpuSharing
+from profiling.simulate_published.torch_bench import (
+    NO_DDP,
+    TORCH_BENCH,
+    TORCH_BENCH_BATCH,
+    TORCH_BENCH_CAP_1_VS_25,
+    TORCH_BENCH_MEMORY_BYTES_PER_S,
+    TORCH_BENCH_P50_S,
+    cost_per_bucket,
+    step_s,
+    straggler_bound,
+    torch14_buckets,
+    torch_bench_cluster,
+    torch_bench_step_s,
+    torch_bench_workload,
+)
+
+if TYPE_CHECKING:
+    from profiling.simulate.schedule import Sharing, Workload
+    from profiling.simulate.topology import Topology
+
 GOYAL_E256 = 0.90
 LI_OVERLAP = {"resnet50": 0.380, "bert_large": 0.352}  # NCCL; Gloo: 26.8%, 21.5%
 LI_GPUS = 32
 # Li et al. do not give ResNet-50's batch: ASSUMED 32 per GPU, as torch's own DDP
-# benchmark (the same team, the same V100 servers) runs it; BERT-large at the preset's 8.
-LI_BATCH = {"resnet50": 32}
-GBIT = 1e9 / 8
+# benchmark, written by the same team, runs it; BERT-large at its preset's 8.
+LI_BATCH = {"resnet50": 32, "bert_large": 8}
 # What NCCL achieves across servers with one 100 Gbit/s NIC each: NVIDIA/nccl issue 235
 # (NVIDIA), all_reduce busbw about 10 GB/s on 2 AWS p3dn servers (V100) with one such NIC,
-# 6-8 GB/s on 8 to 32 servers. Li et al.'s 4 servers of 8 V100 sit between; 10 GB/s.
-LI_INTER_BUSBW = 10e9
-
-
-def resnext50_32x4d(device: str | None = None):
-    """torchvision.models.resnext50_32x4d(): ResNet-50 with 32 groups of 4 channels in
-    each 3x3 convolution (Xie et al., "Aggregated Residual Transformations")."""
-    from profiling.simulate.presets import resnet50
-
-    return resnet50(device, groups=32, width_per_group=4)
-
-
-def resnext101_32x8d(device: str | None = None):
-    """torchvision.models.resnext101_32x8d(): ResNet-101 with 32 groups of 8 channels."""
-    from profiling.simulate.presets import resnet50
-
-    return resnet50(device, depth=101, groups=32, width_per_group=8)
-
-
-FACTORIES = {
-    "resnet50": "profiling.simulate.presets:resnet50",
-    "resnet101": "profiling.simulate.presets:resnet101",
-    "resnext50_32x4d": "profiling.simulate_published.compare:resnext50_32x4d",
-    "resnext101_32x8d": "profiling.simulate_published.compare:resnext101_32x8d",
-}
-
-
-def torch_bench_cluster():
-    """The benchmark's DGX-1 servers: 8 Tesla V100 on NVLink (the hybrid cube mesh its
-    `nvidia-smi topo` prints), 4 x 100 Gbit/s InfiniBand per server, NCCL with PyTorch
-    1.4. Line rates; latencies NCCL 2.7.5's, the nearest modelled to the benchmark's."""
-    from profiling.simulate.clusters import GB, GBIT, NCCL_2_7, NCCL_2_7_NET_STEP_S, server
-
-    return server("V100", 900, 150 * GB, 400 * GBIT, {
-        "gpus_per_node": TORCH_BENCH + ": DGX-1, 8 V100",
-        "intra_bytes_per_s": "V100 SXM2 data sheet: NVLink 6 x 25 GB/s each way (line rate)",
-        "inter_bytes_per_s": TORCH_BENCH + ": '4x 100Gb InfiniBand per machine' (line rate)",
-        "gpu": "V100 SXM2 data sheet: 900 GB/s memory bandwidth",
-    }, NCCL_2_7 + " (ASSUMED: the benchmark's NCCL is not named)", NCCL_2_7_NET_STEP_S)  # fmt: skip
+# 6-8 GB/s on 8 to 32 servers. Li et al.'s 4 servers sit between: the 2-server figure
+# here, 6 GB/s in the table of how the answer moves (`li_sensitivity`).
+LI_INTER_BYTES_PER_S = 10e9
 
 
 @dataclass(frozen=True)
@@ -116,9 +74,9 @@ class Row:
     predicted: float  # the bare model's
     unit: str  # "E" (an efficiency) or "%" (a change in throughput or a speed-up)
     source: str
-    # With the measured terms (`terms`): DDP's copies, then also compute beside NCCL;
+    # With the measured terms (`terms`): DDP's passes, then also compute beside NCCL;
     # None where they are not modelled for the row.
-    with_copies: float | None = None
+    with_passes: float | None = None
     with_terms: float | None = None
 
     @property
@@ -129,93 +87,7 @@ class Row:
         return best - self.published
 
 
-def torch_bench_workload(model: str):
-    """The model at 32 images per GPU on one V100, from the benchmark's own time without
-    DDP; the optimizer (SGD with momentum) at the V100's memory bandwidth."""
-    from profiling.simulate import presets, usermodel
-
-    prof = usermodel.profile(FACTORIES[model], (3, 224, 224))
-    optimizer_s = prof.parameters * presets.SGD_MOMENTUM_BYTES / TORCH_BENCH_MEMORY_BYTES_PER_S
-    return usermodel.workload(prof, TORCH_BENCH_P50_S[model][NO_DDP], optimizer_s)
-
-
-def torch_bench_step_s(workload, gpus: int, bucket_cap_mb: float = 25.0, sharing=None) -> float:
-    """One iteration of torch's DDP on `gpus` V100 of the benchmark's cluster: its layout
-    (`bucket_cap_mb` after a 1 MiB first bucket, or `bucket_cap_mb` for both when it is
-    smaller, as torch takes a cap you give), overlapped, NCCL's ring."""
-    from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.topology import cost_model
-
-    buckets = torch_buckets(workload, bucket_cap_mb, min(1.0, bucket_cap_mb))
-    return _step_s(workload, buckets, cost_model(torch_bench_topology(gpus), "ring"), sharing)
-
-
-def torch_bench_topology(gpus: int):
-    """The benchmark's `gpus`: GPUs 0 to gpus - 1 of one server, or whole servers. Inside
-    one server, the NVLink bandwidth of the rings NCCL can lay over those GPUs: 1 ring
-    on GPUs 0-1 (one NVLink between them), 4 on 0-3, 6 on all 8."""
-    from dataclasses import replace
-
-    topo = torch_bench_cluster().topology.with_gpus(gpus)
-    if 1 < gpus <= topo.gpus_per_node:
-        rings = nvlink_rings(DGX1_NVLINKS, gpus)
-        return replace(topo, intra_bytes_per_s=rings * NVLINK2_BYTES_PER_S)
-    return topo
-
-
-def nvlink_rings(links: list[list[int]], gpus: int) -> int:
-    """The most rings over GPUs 0 to gpus - 1 that the links carry at once: each ring
-    enters and leaves every GPU once, one way round, and uses one NVLink of each pair
-    it joins in that direction (a pair of `links[u][v]` NVLinks carries that many rings
-    each way). Two GPUs make one ring per link between them."""
-    from itertools import permutations
-
-    if gpus == 2:
-        return links[0][1]
-    ring_edges = []
-    for rest in permutations(range(1, gpus)):
-        order = (0, *rest)
-        edges = [(order[i], order[(i + 1) % gpus]) for i in range(gpus)]
-        if all(links[u][v] for u, v in edges):
-            ring_edges.append(edges)
-    # No GPU can be in more rings than it has links (to the others) leaving it.
-    bound = min(sum(links[u][v] for v in range(gpus) if v != u) for u in range(gpus))
-    left = {(u, v): links[u][v] for u in range(gpus) for v in range(gpus)}
-    best = 0
-
-    def pack(start: int, laid: int) -> bool:  # depth first, stopping at the bound
-        nonlocal best
-        best = max(best, laid)
-        if best == bound:
-            return True
-        for i in range(start, len(ring_edges)):
-            if all(left[e] for e in ring_edges[i]):
-                for e in ring_edges[i]:
-                    left[e] -= 1
-                if pack(i, laid + 1):
-                    return True
-                for e in ring_edges[i]:
-                    left[e] += 1
-        return False
-
-    pack(0, 0)
-    return best
-
-
-def _step_s(workload, buckets, cost, sharing, overlap: bool = True) -> float:
-    """The step with `sharing`'s terms: its passes at the hooks and after the last
-    all-reduce (`terms.with_finalize`), its slowdown beside collectives."""
-    from profiling.simulate.schedule import NO_SHARING, StageSchedule, simulate
-    from profiling.simulate_published.terms import GpuSharing, with_finalize
-
-    sharing = sharing or NO_SHARING
-    if isinstance(sharing, GpuSharing):
-        sharing = sharing.for_buckets(workload, buckets)
-    w = with_finalize(workload, sharing)
-    return simulate(w, buckets, cost, StageSchedule(overlap), sharing).step_s
-
-
-def li_cluster(inter_bytes_per_s: float = LI_INTER_BUSBW):
+def li_cluster(inter_bytes_per_s: float = LI_INTER_BYTES_PER_S) -> Topology:
     """Li et al.'s 32 GPUs (the `li2020` preset) with the bus bandwidth NCCL achieves
     across servers of one 100 Gbit/s NIC each, in place of the NIC's line rate."""
     from dataclasses import replace
@@ -225,15 +97,15 @@ def li_cluster(inter_bytes_per_s: float = LI_INTER_BUSBW):
     return replace(cluster("li2020").topology, inter_bytes_per_s=inter_bytes_per_s)
 
 
-def li_workload(model: str, batch: int | None = None):
-    """ResNet-50 at `batch` images per GPU (LI_BATCH by default: torch's benchmark's own
-    0.097 s for 32), or BERT-large as the `li2020` comparisons take it (batch 8)."""
+def li_workload(model: str, batch: int | None = None) -> Workload:
+    """The model at `batch` per GPU (LI_BATCH by default) on one V100: ResNet-50 at 32
+    from torch's benchmark's own 0.097 s, at 112 from NVIDIA's; BERT-large at 8."""
     from dataclasses import replace
 
     from profiling.simulate import presets
 
     compute = presets.COMPUTE[model, "V100"]
-    batch = batch or LI_BATCH.get(model, compute.batch)
+    batch = batch or LI_BATCH[model]
     if model == "resnet50" and batch == TORCH_BENCH_BATCH:
         compute = replace(compute, batch=batch,
                           samples_per_s=batch / TORCH_BENCH_P50_S[model][NO_DDP],
@@ -243,18 +115,22 @@ def li_workload(model: str, batch: int | None = None):
     return presets.workload(model, "V100", compute=compute)
 
 
-def li_speedup(model: str, batch: int | None = None, inter: float = LI_INTER_BUSBW,
-               sharing=None) -> float:  # fmt: skip
-    """Li et al.'s overlap speed-up at 32 GPUs, 25 MB buckets, NCCL's ring: all-reduce
-    after backward against during it, minus one."""
-    from profiling.simulate.layouts import uniform_buckets
+def li_speedup(
+    model: str,
+    batch: int | None = None,
+    inter_bytes_per_s: float = LI_INTER_BYTES_PER_S,
+    sharing: Sharing | None = None,
+) -> float:
+    """Li et al.'s overlap speed-up at 32 GPUs, NCCL's ring, the layout of their DDP
+    (torch 1.5's, as 1.4's: `torch14_buckets`): all-reduce after backward against
+    during it, minus one."""
     from profiling.simulate.topology import cost_model
 
     w = li_workload(model, batch)
-    cost = cost_model(li_cluster(inter).with_gpus(LI_GPUS), "ring")
-    buckets = uniform_buckets(w, 25)
-    after = _step_s(w, buckets, cost, sharing, overlap=False)
-    return after / _step_s(w, buckets, cost, sharing) - 1
+    cost = cost_model(li_cluster(inter_bytes_per_s).with_gpus(LI_GPUS), "ring")
+    buckets = torch14_buckets(w, 25.0)
+    after = step_s(w, buckets, cost, sharing, overlap=False)
+    return after / step_s(w, buckets, cost, sharing) - 1
 
 
 def rows(trace: str | Path | None = None) -> list[Row]:
@@ -275,7 +151,7 @@ def rows(trace: str | Path | None = None) -> list[Row]:
 
     def predictions(measure) -> dict:
         made = [measure(v) for v in variants] + [None, None]
-        return {"predicted": made[0], "with_copies": made[1], "with_terms": made[2]}
+        return {"predicted": made[0], "with_passes": made[1], "with_terms": made[2]}
 
     out = []
     for model, p50 in TORCH_BENCH_P50_S.items():
@@ -315,7 +191,7 @@ def rows(trace: str | Path | None = None) -> list[Row]:
         def li(v, model=model) -> float:
             return li_speedup(model, sharing=v) * 100
 
-        batch = LI_BATCH.get(model, 8)
+        batch = LI_BATCH[model]
         out.append(Row(
             f"Li et al.: {model}, speed-up of overlapping, 32 GPUs, NCCL (batch {batch})",
             speedup * 100, unit="%", source="Li et al. 2020, section 5.1 (Figure 6)",
@@ -328,7 +204,10 @@ def li_sensitivity() -> list[list[str]]:
     """Li et al.'s overlap speed-up as the unknown settings move: ResNet-50's batch, and
     the bus bandwidth between servers (the NIC's line rate, or what NCCL achieves on
     it); the bare model."""
-    rates = [(100 * GBIT, "100 Gbit/s line rate"), (LI_INTER_BUSBW, "10 GB/s (NCCL, 2 servers)"),
+    from profiling.simulate.topology import GBIT
+
+    rates = [(100 * GBIT, "100 Gbit/s line rate"),
+             (LI_INTER_BYTES_PER_S, "10 GB/s (NCCL, 2 servers)"),
              (6e9, "6 GB/s (NCCL, 8 or more)")]  # fmt: skip
     table = []
     for model, batches in (("resnet50", (32, 112)), ("bert_large", (8,))):
@@ -338,7 +217,59 @@ def li_sensitivity() -> list[list[str]]:
     return [["", "published", *(label for _, label in rates)], *table]
 
 
-def markdown(table: list[Row]) -> str:
+def what_ifs(trace: str | Path) -> list[str]:
+    """The full model with one thing changed, on torch's benchmark: the NVLink of all
+    eight GPUs for two; backward 1.19 times slower beside NCCL instead of the trace's
+    ratio (arXiv 2507.03114's mean slowdown of compute overlapped with communication,
+    18.9%); and backward stopped whenever a collective is in its latency."""
+    from dataclasses import replace
+
+    from profiling.simulate.topology import cost_model
+    from profiling.simulate_published import terms
+
+    events = terms.load(trace)
+    base = terms.sharing(terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S),
+                         terms.beside_nccl(events), TORCH_BENCH_MEMORY_BYTES_PER_S)  # fmt: skip
+    workloads = [torch_bench_workload(m) for m in TORCH_BENCH_P50_S]
+
+    gpus = [g for g in TORCH_BENCH_P50_S["resnet50"] if g != NO_DDP]
+
+    def efficiencies(sharing: Sharing) -> list[float]:
+        return [w.compute_s / torch_bench_step_s(w, g, 25.0, sharing)
+                for w in workloads for g in gpus]  # fmt: skip
+
+    full_server = cost_model(torch_bench_cluster().topology.with_gpus(2), "ring")
+    nvlink = [w.compute_s / step_s(w, torch14_buckets(w), full_server, base)
+              - w.compute_s / torch_bench_step_s(w, 2, 25.0, base) for w in workloads]  # fmt: skip
+    now = efficiencies(base)
+    slower = efficiencies(replace(base, slowdown=0.189))
+    stalled = Stalled(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    w = workloads[0]
+    cap = {g: (torch_bench_step_s(w, g, 25.0, stalled) / torch_bench_step_s(w, g, 1.0, stalled)
+               - 1) * 100 for g in TORCH_BENCH_CAP_1_VS_25}  # fmt: skip
+    moved = max(abs(a - b) for a, b in zip(now, efficiencies(stalled), strict=True))
+    return [
+        "What-ifs, each on the full model: the NVLink of all eight GPUs for two as well "
+        f"raises E(2) by {min(nvlink) * 100:.1f} to {max(nvlink) * 100:.1f} points; "
+        "backward 1.19 times slower beside NCCL (arXiv 2507.03114's mean) lowers no "
+        f"efficiency by more than {max(a - b for a, b in zip(now, slower, strict=True)) * 100:.1f} "
+        "points; and with backward stopped whenever a collective is in its latency, the "
+        "1 MiB cap costs " + " and ".join(f"{-c:.1f}% at {g} GPUs" for g, c in cap.items())
+        + f", while no efficiency moves by more than {moved * 100:.1f} points.",
+        "",
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stalled(GpuSharing):
+    """The terms, and backward making no progress while a collective is in its latency
+    (its message rounds): the most the latency could cost if none of it hid."""
+
+    def compute_rate(self, on_wire: bool, in_latency: bool) -> float:
+        return 1e-12 if in_latency else super().compute_rate(on_wire, False)
+
+
+def markdown(table: list[Row], notes: list[str] = ()) -> str:
     from profiling.report import command_line, markdown_table, produced_by
 
     def cell(value: float, unit: str) -> str:
@@ -353,7 +284,7 @@ def markdown(table: list[Row]) -> str:
     terms = any(r.with_terms is not None for r in table)
     body = [
         [r.what, cell(r.published, r.unit), cell(r.predicted, r.unit)]
-        + ([maybe(r.with_copies, r.unit), maybe(r.with_terms, r.unit)] if terms else [])
+        + ([maybe(r.with_passes, r.unit), maybe(r.with_terms, r.unit)] if terms else [])
         + [error(r)]
         for r in table
     ]
@@ -362,7 +293,10 @@ def markdown(table: list[Row]) -> str:
     header += ["error"]
     sources = sorted({r.source for r in table})
     li = li_sensitivity()
+    from profiling.simulate_published.terms import straggler_sigma_for
+
     spread, buckets = straggler_bound(), cost_per_bucket()
+    goyal_sigma = straggler_sigma_for(GOYAL_E256, 256, 8)
     return "\n".join([
         produced_by([command_line("profiling.simulate")]), "",
         markdown_table(header, body, left=1), "",
@@ -376,7 +310,7 @@ def markdown(table: list[Row]) -> str:
         f"under 1 ms / 1.645 = {spread['sigma']:.1%} of it. The slowest of 16 such GPUs "
         f"then costs at most {1 - spread['e16']:.1%}, and from 8 to 256 GPUs at most "
         f"{(1 - spread['e256']) * 100:.1f} points; stragglers alone would make Goyal et "
-        f"al.'s E(256) = {GOYAL_E256:.2f} only with a spread of {spread['goyal_sigma']:.1%}.",
+        f"al.'s E(256) = {GOYAL_E256:.2f} only with a spread of {goyal_sigma:.1%}.",
         "",
         f"Each of the {buckets[0]['extra_buckets']} extra buckets of the 1 MiB cap cost "
         + ", ".join(f"{b['per_bucket_s'] * 1e6:.0f} µs" for b in buckets)
@@ -385,43 +319,45 @@ def markdown(table: list[Row]) -> str:
         + ", ".join(f"{b['nccl_latency_s'] * 1e6:.0f} µs" for b in buckets[1:]) + " at 2 "
         "GPUs and up.",
         "",
+        *notes,
     ])  # fmt: skip
 
 
-def cost_per_bucket() -> list[dict]:
-    """What each extra bucket of the 1 MiB cap cost in the benchmark (its diff: the
-    change times the iteration), against the latency NCCL's model gives one all-reduce
-    at that GPU count (the step model's, which it hides under backward)."""
-    from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.topology import cost_model
+def plot(table: list[Row], path) -> None:
+    """E(p) of each model of torch's benchmark, 1 to 16 GPUs: published, the bare model,
+    and the model with the terms (where the table has them)."""
+    import matplotlib
 
-    w = torch_bench_workload("resnet50")
-    extra = len(torch_buckets(w, 1.0, 1.0)) - len(torch_buckets(w, 25.0, 1.0))
-    out = []
-    for gpus, (change, p75_s) in TORCH_BENCH_CAP_1_DIFF.items():
-        cost = cost_model(torch_bench_topology(gpus), "ring")
-        latency = cost(2**20).latency_s if gpus > 1 else 0.0
-        out.append({"gpus": gpus, "extra_buckets": extra,
-                    "per_bucket_s": -change * p75_s / extra,
-                    "nccl_latency_s": latency})  # fmt: skip
-    return out
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
+    from profiling import report
 
-def straggler_bound() -> dict:
-    """What stragglers can cost, from the spread torch's benchmark shows on one GPU:
-    its p95 - p50 under the 1 ms its README prints (a normal law's p95 is 1.645 sigma
-    above its median)."""
-    from profiling.simulate_published.terms import straggler_efficiency, straggler_sigma_for
-
-    p50 = TORCH_BENCH_P50_S["resnet50"][NO_DDP]
-    sigma = 1e-3 / 1.645 / p50
-    return {
-        "p50_s": p50,
-        "sigma": sigma,
-        "e16": straggler_efficiency(sigma, 16, 1),
-        "e256": straggler_efficiency(sigma, 256, 8),
-        "goyal_sigma": straggler_sigma_for(GOYAL_E256, 256, 8),
-    }
+    plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
+    fig, axes = plt.subplots(2, 2, figsize=(report.FIGURE_WIDTH_IN, 6.0), sharex=True, sharey=True)
+    gpus = [g for g in TORCH_BENCH_P50_S["resnet50"] if g != NO_DDP]
+    for ax, model in zip(axes.flat, TORCH_BENCH_P50_S, strict=True):
+        rows = [r for r in table if r.unit == "E" and r.what.startswith(f"{model}, ")]
+        ax.plot(gpus, [r.published for r in rows], "ko-", label="published")
+        ax.plot(gpus, [r.predicted for r in rows], ls="--", marker="s", color="0.6",
+                label="bare model")  # fmt: skip
+        if all(r.with_terms is not None for r in rows):
+            ax.plot(gpus, [r.with_terms for r in rows], marker="^", color="tab:blue",
+                    label="model with the terms")  # fmt: skip
+        ax.set_title(model)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus, [str(g) for g in gpus])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("GPUs (V100, NCCL)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("E against 1 GPU without DDP")
+    axes[0, 0].set_ylim(0.88, 1.01)
+    axes[0, 0].legend(loc="lower left")
+    fig.tight_layout()
+    report.save_figure(fig, path)
+    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -455,11 +391,13 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"published: no {DOCS_TRACE} here; pass --terms-from or --no-terms")
     elif trace is not None and not Path(trace).is_file():
         raise SystemExit(f"--terms-from {trace}: no such file")
-    text = markdown(rows(trace))
+    table = rows(trace)
+    text = markdown(table, what_ifs(trace) if trace is not None else [])
     print(text)
     if args.no_files:
         return
-    results, _ = outputs.folders(args)
+    results, images = outputs.folders(args)
     path = results / "published.md"
     path.write_text(text)
-    print(f"wrote {path}")
+    plot(table, images / "published.png")
+    print(f"wrote {path}, {images / 'published.png'}")

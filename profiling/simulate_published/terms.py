@@ -7,21 +7,21 @@
   which a GPU with nothing to send pays too. The trace's reducer (torch 2.x) makes two
   passes: `reducer::mul_out` writes gradient / world size into the bucket at the hook
   (an elementwise kernel), and `copy_bucket_to_grad` copies the average back after the
-  last all-reduce (a `Memcpy DtoD`). Each kind is measured as the GPU work those CPU
+  bucket's all-reduce (a `Memcpy DtoD`). Each kind is measured as the GPU work those CPU
   ops launched, fitted as a fixed time per launch plus the gradient's bytes at a share
   of the GPU's memory bandwidth (`reducer_work`). torch 1.4's reducer, which the
   benchmark ran, made three: `copy_` into the bucket at the hook, `div_` of the whole
-  bucket once it is full, and the copy back after the last all-reduce
-  (`torch/csrc/distributed/c10d/reducer.cpp` of that release).
+  bucket once it is full, and the copy back once the bucket's all-reduce has ended,
+  bucket by bucket after backward (`torch/csrc/distributed/c10d/reducer.cpp` of that
+  release).
 - **Compute beside NCCL.** NCCL's kernels take streaming multiprocessors and memory
   bandwidth from backward's. Measured as the time-weighted ratio of a compute kernel's
   duration while an NCCL kernel runs to its duration alone, over kernels of the same
   name, grid and block that ran both ways (`beside_nccl`).
 
-`GpuSharing` puts both into the model: the passes at each hook on the compute lane, the
-copy back after the last all-reduce (`finalize_s`, before the optimizer), and backward
-`slowdown` = ratio - 1 slower while a collective is in flight. Either can be switched
-off.
+`GpuSharing` puts both into the model: the passes at each hook on the compute lane,
+each bucket's copy back once its all-reduce has ended, and backward `slowdown` =
+ratio - 1 slower while a collective is in flight. Either can be switched off.
 
 The trace the docs use is a real one recorded by others: torch's DDP training
 ResNet-50 on two A100s with NCCL 2.17.1 (rank 0, 3 steps; HolisticTraceAnalysis's test
@@ -63,6 +63,8 @@ class Pass:
 
 @dataclass(frozen=True)
 class ReducerWork:
+    """torch's reducer's two kinds of pass over a gradient, as a trace measured them."""
+
     scale: Pass  # gradient / world size into the bucket (an elementwise kernel)
     copy: Pass  # a gradient's bytes between its tensor and the bucket (a Memcpy DtoD)
 
@@ -118,6 +120,9 @@ def fit_pass(gpu_events: list[dict], steps: int, memory_bytes_per_s: float) -> P
     xs = [gradient_bytes(e) for e in gpu_events]
     ys = [float(e["dur"]) * 1e-6 for e in gpu_events]
     slope, intercept = statistics.linear_regression(xs, ys)
+    if not slope > 0:
+        raise ValueError(f"the {len(xs)} launches take no longer for more bytes "
+                         f"(slope {slope:.3g} s/byte): no bandwidth to fit")  # fmt: skip
     return Pass(len(xs) / steps, sum(xs) / steps, max(intercept, 0.0),
                 1 / slope / memory_bytes_per_s)  # fmt: skip
 
@@ -166,49 +171,64 @@ def beside_nccl(events: list[dict]) -> BesideNccl:
 @dataclass(frozen=True)
 class GpuSharing(Sharing):
     """The bare model's sharing (`slowdown`) plus DDP's passes over each gradient on a
-    GPU of `memory_bytes_per_s`: at its hook (`hook_s`), and the copy back after the
-    last all-reduce (`finalize_s`)."""
+    GPU of `memory_bytes_per_s`: at its hook (`hook_s`; all of them after backward when
+    nothing overlaps, `after_backward_s`), and each bucket's copy back once its
+    all-reduce has ended (`copy_out_s`: torch's reducer waits for each bucket in turn
+    and copies it back). Make it for a layout with `for_buckets`."""
 
     work: ReducerWork | None = None
     memory_bytes_per_s: float = 0.0
     # torch 1.4's reducer: copy_ into the bucket at the hook, then div_ of the bucket;
     # False: torch 2.x's one mul_out that does both.
     copy_then_divide: bool = True
-    # The gradients whose hook finds their bucket full (`for_buckets`): torch 1.4's
-    # div_ of the whole bucket runs there, one launch per bucket.
-    bucket_last: frozenset[str] = frozenset()
+    # Set by `for_buckets`: the gradients whose hook fills their bucket (torch 1.4's
+    # div_ of the whole bucket is launched there, once a bucket), and each bucket's
+    # copy back as (its bytes, seconds).
+    bucket_last: frozenset[str] | None = None
+    copies_out: tuple[tuple[int, float], ...] = ()
 
     def hook_s(self, grad: Grad) -> float:
+        """DDP's passes at the gradient's hook, on the compute stream."""
         if self.work is None:
             return 0.0
-        scale = self.work.scale.seconds(grad.nbytes, self.memory_bytes_per_s)
         if not self.copy_then_divide:
-            return scale
+            return self.work.scale.seconds(grad.nbytes, self.memory_bytes_per_s)
+        if self.bucket_last is None:
+            raise ValueError("GpuSharing: call for_buckets first (div_ is once a bucket)")
         copy = self.work.copy.seconds(grad.nbytes, self.memory_bytes_per_s)
-        # The bucket's div_ passes over every gradient's bytes, launched once.
+        # div_ reads and writes the whole bucket (up to 25 MiB) after it filled, which
+        # on a V100 (6 MB of L2) comes from memory: at the copy's share of memory
+        # bandwidth, not the trace's mul_out's, whose gradients sat in the A100's 40 MB
+        # L2 as backward wrote them.
+        divide = copy - self.work.copy.fixed_s
         launch = self.work.scale.fixed_s if grad.name in self.bucket_last else 0.0
-        return copy + scale - self.work.scale.fixed_s + launch
+        return copy + divide + launch
 
-    def for_buckets(self, workload: Workload, buckets) -> GpuSharing:
-        """This sharing for `buckets` (lists of indices into workload.grads)."""
-        last = {workload.grads[max(b, key=lambda i: workload.grads[i].ready_s)].name
-                for b in buckets if b}  # fmt: skip
-        return replace(self, bucket_last=frozenset(last))
+    def after_backward_s(self, workload: Workload) -> float:
+        """Not overlapped: the hooks' passes, all before the first collective."""
+        return sum(self.hook_s(g) for g in workload.grads)
 
-    def finalize_s(self, workload: Workload) -> float:
-        """The copy of every average back into its gradient, once the last all-reduce
-        has ended (the reducer's finalize, on the compute stream, before the optimizer)."""
+    def copy_out_s(self, nbytes: int) -> float:
+        """The bucket's gradients copied back, one copy each."""
         if self.work is None:
             return 0.0
-        return sum(self.work.copy.seconds(g.nbytes, self.memory_bytes_per_s)
-                   for g in workload.grads)  # fmt: skip
+        for bucket_bytes, seconds in self.copies_out:
+            if bucket_bytes == nbytes:
+                return seconds
+        raise ValueError(f"GpuSharing: no bucket of {nbytes} bytes; call for_buckets first")
 
-
-def with_finalize(workload: Workload, sharing: Sharing) -> Workload:
-    """The workload with the reducer's copy back before its optimizer: in the schedule
-    both run on the compute lane after the last all-reduce, one after the other."""
-    extra = sharing.finalize_s(workload) if isinstance(sharing, GpuSharing) else 0.0
-    return replace(workload, optimizer_s=workload.optimizer_s + extra)
+    def for_buckets(self, workload: Workload, buckets: list[list[int]]) -> GpuSharing:
+        """This sharing for `buckets` (lists of indices into workload.grads). Two buckets
+        of the same bytes share the first one's copy back (their launches may differ by
+        a few microseconds)."""
+        grads, m = workload.grads, self.memory_bytes_per_s
+        last = {grads[max(b, key=lambda i: grads[i].ready_s)].name for b in buckets if b}
+        copies = []
+        if self.work is not None:
+            copies = [(sum(grads[i].nbytes for i in b),
+                       sum(self.work.copy.seconds(grads[i].nbytes, m) for i in b))
+                      for b in buckets]  # fmt: skip
+        return replace(self, bucket_last=frozenset(last), copies_out=tuple(copies))
 
 
 def sharing(
@@ -246,4 +266,7 @@ def straggler_efficiency(sigma: float, gpus: int, reference: int) -> float:
 def straggler_sigma_for(efficiency: float, gpus: int, reference: int) -> float:
     """The spread sigma at which stragglers alone make E(gpus) = `efficiency`."""
     m, m_ref = expected_max_normal(gpus), expected_max_normal(reference)
+    if not m_ref / m < efficiency <= 1:
+        raise ValueError(f"stragglers cannot make E({gpus}) = {efficiency} against "
+                         f"{reference} GPUs: it stays above {m_ref / m:.3f}")  # fmt: skip
     return (1 - efficiency) / (efficiency * m - m_ref)
