@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,21 +134,27 @@ def li_speedup(
     return after / step_s(w, buckets, cost, sharing) - 1
 
 
+@cache  # one trace, read and fitted once for the table and its what-ifs
+def measured_terms(trace: str | Path) -> tuple[GpuSharing, GpuSharing]:
+    """The terms measured on `trace`, carried to the benchmark's V100: DDP's passes
+    alone, then with compute beside NCCL."""
+    from profiling.simulate_published import terms
+
+    events = terms.load(trace)
+    work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
+    beside = terms.beside_nccl(events)
+    v100 = TORCH_BENCH_MEMORY_BYTES_PER_S
+    return terms.sharing(work, None, v100), terms.sharing(work, beside, v100)
+
+
 def rows(trace: str | Path | None = None) -> list[Row]:
     """Every published row with the model's prediction; with `trace` (a GPU trace of
     torch's DDP training ResNet-50), also with the terms measured on it."""
     from profiling.simulate import paper
     from profiling.simulate.scale import PER_PARAMETER
-    from profiling.simulate_published import terms
 
     workloads = {model: torch_bench_workload(model) for model in TORCH_BENCH_P50_S}
-    variants = [None]
-    if trace is not None:
-        events = terms.load(trace)
-        work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
-        beside = terms.beside_nccl(events)
-        v100 = TORCH_BENCH_MEMORY_BYTES_PER_S
-        variants += [terms.sharing(work, None, v100), terms.sharing(work, beside, v100)]
+    variants = [None] if trace is None else [None, *measured_terms(trace)]
 
     def predictions(measure) -> dict:
         made = [measure(v) for v in variants] + [None, None]
@@ -225,11 +232,8 @@ def what_ifs(trace: str | Path) -> list[str]:
     from dataclasses import replace
 
     from profiling.simulate.topology import cost_model
-    from profiling.simulate_published import terms
 
-    events = terms.load(trace)
-    base = terms.sharing(terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S),
-                         terms.beside_nccl(events), TORCH_BENCH_MEMORY_BYTES_PER_S)  # fmt: skip
+    _, base = measured_terms(trace)
     workloads = [torch_bench_workload(m) for m in TORCH_BENCH_P50_S]
 
     gpus = [g for g in TORCH_BENCH_P50_S["resnet50"] if g != NO_DDP]
@@ -243,7 +247,7 @@ def what_ifs(trace: str | Path) -> list[str]:
               - w.compute_s / torch_bench_step_s(w, 2, 25.0, base) for w in workloads]  # fmt: skip
     now = efficiencies(base)
     slower = efficiencies(replace(base, slowdown=0.189))
-    stalled = Stalled(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    stalled = Stalled(base.slowdown, work=base.work, memory_bytes_per_s=base.memory_bytes_per_s)
     w = workloads[0]
     cap = {g: (torch_bench_step_s(w, g, 25.0, stalled) / torch_bench_step_s(w, g, 1.0, stalled)
                - 1) * 100 for g in TORCH_BENCH_CAP_1_VS_25}  # fmt: skip
@@ -271,6 +275,7 @@ class Stalled(GpuSharing):
 
 def markdown(table: list[Row], notes: list[str] = ()) -> str:
     from profiling.report import command_line, markdown_table, produced_by
+    from profiling.simulate_published.terms import straggler_sigma_for
 
     def cell(value: float, unit: str) -> str:
         return f"{value:.3f}" if unit == "E" else f"{value:+.1f}%"
@@ -293,8 +298,6 @@ def markdown(table: list[Row], notes: list[str] = ()) -> str:
     header += ["error"]
     sources = sorted({r.source for r in table})
     li = li_sensitivity()
-    from profiling.simulate_published.terms import straggler_sigma_for
-
     spread, buckets = straggler_bound(), cost_per_bucket()
     goyal_sigma = straggler_sigma_for(GOYAL_E256, 256, 8)
     return "\n".join([

@@ -121,6 +121,7 @@ def torch14_buckets(workload, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     return [list(b) for b in reversed(buckets)]
 
 
+@cache  # frozen; its ring search runs once per GPU count
 def torch_bench_topology(gpus: int) -> Topology:
     """The benchmark's `gpus`: GPUs 0 to gpus - 1 of one server, or whole servers. Inside
     one server, the NVLink bandwidth of the rings NCCL can lay over those GPUs: 1 ring
@@ -144,8 +145,6 @@ def nvlink_rings(links: list[list[int]], gpus: int) -> int:
     each way). Two GPUs make one ring per link between them."""
     from itertools import permutations
 
-    if gpus == 2:
-        return links[0][1]
     ring_edges = []
     for rest in permutations(range(1, gpus)):
         order = (0, *rest)
