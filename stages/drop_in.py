@@ -45,18 +45,19 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.utils import _cast_forward_inputs
 
 from ddp import swap
 from ddp.dist import broadcast_buffers, import_dynamo_first
 from ddp.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
+from ddp.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
 from ddp.reducer import Reducer, Sink, flatten
+from ddp.torch_args import buffer_sync, check_arguments
 from stages.auto_bucket import AutoBucketDDP
 from stages.unused_params import parameters_reached
 
@@ -107,54 +108,19 @@ class DistributedDataParallel(AutoBucketDDP):
         *,
         round_robin_groups: int = 1,  # this project's extension (stage round_robin)
     ):
-        not_default = {
-            name: value
-            for name, value, default in [
-                ("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
-                ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
-                ("device_mesh", device_mesh, None),
-                ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
-                ("bucket_cap_mb_list", bucket_cap_mb_list, None),
-                ("batched_grad_copy", batched_grad_copy, False),
-            ]
-            if value != default
-        }
-        if not_default:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not implement {sorted(not_default)}; "
-                "use torch.nn.parallel.DistributedDataParallel for those"
-            )
-        if mixed_precision is not None and gradient_as_bucket_view:
-            raise NotImplementedError(
-                "mixed_precision with gradient_as_bucket_view=True: the gradients are "
-                "computed in param_dtype and reduced in reduce_dtype, so they cannot be "
-                "views of one bucket"
-            )
-        if dim != 0:
-            raise NotImplementedError(f"only dim=0 is supported, got dim={dim}")
-        if not any(p.requires_grad for p in module.parameters()):
-            raise RuntimeError(  # torch's words: there would be nothing to synchronise
-                "DistributedDataParallel is not needed when a module "
-                "doesn't have any parameter that requires a gradient."
-            )
-        _check_one_device(module, device_ids, output_device)
-        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
-            raise NotImplementedError(
-                f"{type(self).__name__} does not implement parameters and buffers to ignore "
-                f"(_ddp_params_and_buffers_to_ignore: "
-                f"{sorted(module._ddp_params_and_buffers_to_ignore)}); "
-                "use torch.nn.parallel.DistributedDataParallel for those"
-            )
-        # torch 2.13's rules: forward_sync_buffers wins, and then buffers are always
-        # broadcast at construction; else broadcast_buffers (default True) decides both.
-        if forward_sync_buffers is not None:
-            forward_sync, init_sync_buffers = forward_sync_buffers, True
-        else:
-            forward_sync = init_sync_buffers = (
-                True if broadcast_buffers is None else broadcast_buffers
-            )
-        # Set before super(): the buckets take reduce_dtype as they are built.
-        self.mixed_precision = _check_mixed_precision(mixed_precision)
+        # mixed_precision is set before super(): the buckets take reduce_dtype as they
+        # are built.
+        self.mixed_precision = check_arguments(
+            type(self).__name__, module,
+            [("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
+             ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
+             ("device_mesh", device_mesh, None),
+             ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
+             ("bucket_cap_mb_list", bucket_cap_mb_list, None),
+             ("batched_grad_copy", batched_grad_copy, False)],
+            device_ids, output_device, dim, gradient_as_bucket_view, mixed_precision,
+        )  # fmt: skip
+        forward_sync, init_sync_buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
         # Set before super(): the stages' constructors broadcast the initial parameters
         # and buffers through the two methods below, which follow torch's init_sync rules.
         self._init_sync, self._init_sync_buffers = init_sync, init_sync and init_sync_buffers
@@ -180,7 +146,7 @@ class DistributedDataParallel(AutoBucketDDP):
         # static_graph: per position, how many times its gradient came in the first
         # synchronised backward (None before it ends), and per bucket what that makes.
         if self.mixed_precision is not None:
-            self.module.register_forward_pre_hook(_low_precision_hook(self), with_kwargs=True)
+            self.module.register_forward_pre_hook(low_precision_hook(self), with_kwargs=True)
             for buffer in self.module.buffers():
                 buffer.data = buffer.to(self.mixed_precision.buffer_dtype or buffer.dtype)
         self._expected: list[int] | None = None
@@ -292,24 +258,13 @@ class DistributedDataParallel(AutoBucketDDP):
         of the full-precision ones (kept aside: the optimizer updates those), and so do
         gradients accumulated so far and floating-point inputs. Backward then computes
         in param_dtype."""
-        dtype = self.mixed_precision.param_dtype
-        for param in self.module.parameters():
-            if not hasattr(param, "_full_precision"):  # set once: the optimizer's tensor
-                param._full_precision = param.data
-            param.data = param._full_precision.to(dtype)
-            if param.grad is not None:
-                param.grad = param.grad.to(dtype)
-        return _cast_forward_inputs(dtype, *inputs, **kwargs)
+        return to_low_precision(self.module, self.mixed_precision.param_dtype, inputs, kwargs)
 
     def _to_full_precision(self) -> None:
         """mixed_precision, after a synchronised backward's gradients are in their
         buckets: parameters back to full precision, gradients too, before the
         averages (in reduce_dtype) are copied into them."""
-        for param in self.module.parameters():
-            if hasattr(param, "_full_precision"):
-                param.data = param._full_precision
-                if param.grad is not None:
-                    param.grad = param.grad.to(param.data.dtype)
+        to_full_precision(self.module)
 
     def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
         if average.dtype != param.dtype and not average.is_sparse:  # mixed_precision
@@ -525,58 +480,8 @@ def uninstall() -> None:
     swap.restore_ddp_class()
 
 
-def _low_precision_hook(ddp: DistributedDataParallel) -> Callable:
-    """The wrapped module's forward pre-hook for mixed_precision. It holds the wrapper
-    weakly, as the gradient hooks do: held strongly, module -> hook -> wrapper -> module
-    would be a cycle, freed only by the garbage collector, and the process group with
-    it (stage overlapped says why that matters)."""
-    wrapper = weakref.ref(ddp)
-
-    def cast(module: nn.Module, inputs: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        ddp = wrapper()
-        return None if ddp is None else ddp._to_low_precision(inputs, kwargs)
-
-    return cast
-
-
-def _check_mixed_precision(config):
-    """torch's `_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`, or None."""
-    if config is None:
-        return None
-    if not all(hasattr(config, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
-        raise TypeError(
-            "mixed_precision must be a torch.nn.parallel.distributed._MixedPrecision "
-            f"(param_dtype, reduce_dtype, buffer_dtype), got {config!r}"
-        )
-    if config.param_dtype is None:
-        raise ValueError("mixed_precision.param_dtype must be set (e.g. torch.bfloat16)")
-    return config
-
-
 def _default_group() -> dist.ProcessGroup:
     return dist.group.WORLD
-
-
-def _check_one_device(
-    module: nn.Module,
-    device_ids: list[int | torch.device] | None,
-    output_device: int | torch.device | None,
-) -> None:
-    devices = {p.device for p in module.parameters()}
-    if len(devices) > 1:
-        raise ValueError(f"the module's parameters are on several devices {devices}; one only")
-    if device_ids is None:
-        return
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids must hold one device (one per process), got {device_ids}")
-    wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else None
-    (device,) = devices or {torch.device("cpu")}
-    if device.type == "cpu":
-        raise ValueError("device_ids must be None for a CPU module, as in torch's DDP")
-    if (wanted or torch.device(device.type, device_ids[0])) != device:
-        raise ValueError(f"device_ids {device_ids} do not match the module's device {device}")
-    if output_device is not None and output_device not in (device_ids[0], device):
-        raise ValueError(f"output_device {output_device} differs from the module's {device}")
 
 
 if __name__ == "__main__":
