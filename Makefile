@@ -42,7 +42,7 @@ conformance: $(BIN)/.installed  ## torch's own DDP tests against the drop-in
 	mkdir -p runs/conformance
 	-DDP=torch $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/torch.xml
 	-DDP=ours $(BIN)/pytest -q -p no:cacheprovider tests/conformance/torch_suite.py --junitxml=runs/conformance/ours.xml
-	$(BIN)/python -m tests.conformance.report runs/conformance/torch.xml runs/conformance/ours.xml
+	$(BIN)/python -m tests.conformance.outcomes runs/conformance/torch.xml runs/conformance/ours.xml
 
 # accelerate's own test scripts, Lightning's Trainer (four DDP variants) and Fabric, and a
 # plain DDP script, on CPU Gloo with 2 ranks: each with torch's DDP, then with the drop-in

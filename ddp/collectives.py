@@ -19,7 +19,7 @@ It returns what this rank put on the wire and took off it (`Traffic`). Use it as
     traffic = all_reduce(tensor, algorithm="ring")  # tensor now holds the sum on every rank
     traffic.bytes_sent  # this rank's bytes: 2 (p-1) ceil(n/p) * element size for the ring
 
-or, in training, through `ddp.comm_hooks.point_to_point_hook` on every bucket.
+or, in training, through `ddp.comm_hook_functions.point_to_point_hook` on every bucket.
 
 All ranks must call it with the same algorithm and the same element count, in the
 same order, as with any collective. Every rank ends with a bit-identical result: each

@@ -16,7 +16,7 @@ between steps left it at 40-44 ms. Pinning both where glibc's own rule ends take
 history out.
 
 Elsewhere (macOS, musl) the C library has its own rules and this does nothing. Not
-used by `profiling.grad_views`, whose figure is the peak memory that this would hold.
+used by `profiling.studies.grad_view_memory`, whose figure is the peak memory that this would hold.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from ddp.dist import (
     setup_process_group,
     teardown_process_group,
 )
-from ddp.faults import Fault
+from ddp.fault_injection import Fault
 from ddp.heap import steady_heap
 from ddp.models import rank_model
 from ddp.progress import Progress

@@ -54,7 +54,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from profiling import report
 from profiling.analysis import (
     COMPUTE_ONLY,
     COMPUTE_ONLY_AGAIN,
@@ -65,7 +64,8 @@ from profiling.analysis import (
     rank_average,
     read_logdir,
 )
-from profiling.charts import breakdown_title, plot_breakdown, plot_timeline
+from profiling.common import report
+from profiling.common.charts import breakdown_title, plot_breakdown, plot_timeline
 
 COLUMNS = [  # (header, RunSummary field, format)
     ("step ms", "step_ms", "{:.1f}"),

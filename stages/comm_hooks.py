@@ -3,9 +3,9 @@
 Plain averaging is one choice among several. `register_comm_hook(state, hook)`, with
 torch DDP's signature, hands each full bucket to `hook(state, bucket)`, which returns a
 `torch.futures.Future` of the averaged flat bucket; the stage writes that result back
-into the gradients. The bucket is a `ddp.comm_hooks.GradBucket`, with the methods of
+into the gradients. The bucket is a `ddp.comm_hook_functions.GradBucket`, with the methods of
 torch's `GradBucket`, so torch's own built-in hooks run here unchanged, and so do the
-reimplementations in `ddp/comm_hooks.py`: plain all-reduce, fp16 and bf16 compression
+reimplementations in `ddp/comm_hook_functions.py`: plain all-reduce, fp16 and bf16 compression
 (half the bytes on the wire) and PowerSGD (low-rank compression with error feedback).
 
     torchrun --standalone --nproc-per-node 2 -m stages.comm_hooks --model mlp
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddp.buckets import Bucket
-from ddp.comm_hooks import GradBucket
+from ddp.comm_hook_functions import GradBucket
 from ddp.spans import span
 from stages.rebuilt_buckets import RebuiltBucketsDDP
 

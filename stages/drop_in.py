@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp import swap
+from ddp import class_swap
 from ddp.dist import broadcast_buffers, import_dynamo_first
 from ddp.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
 from ddp.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
@@ -203,12 +203,12 @@ class DistributedDataParallel(AutoBucketDDP):
         forward runs (`_get_active_ddp_module`) and cuts the compiled graph where that
         module's buckets end, so gradients become ready bucket by bucket, as in eager
         mode, and buckets leave while backward still computes."""
-        before = swap.TORCH_DDP._active_ddp_module
-        swap.TORCH_DDP._active_ddp_module = self
+        before = class_swap.TORCH_DDP._active_ddp_module
+        class_swap.TORCH_DDP._active_ddp_module = self
         try:
             yield
         finally:
-            swap.TORCH_DDP._active_ddp_module = before
+            class_swap.TORCH_DDP._active_ddp_module = before
 
     # Where torch's own class (after install(), which rebinds the name it reads) or
     # torch's replicate() note their active module: read as well as torch's.
@@ -216,7 +216,7 @@ class DistributedDataParallel(AutoBucketDDP):
 
     @classmethod
     def _get_active_ddp_module(cls) -> nn.Module | None:
-        return swap.TORCH_DDP._active_ddp_module or DistributedDataParallel._active_ddp_module
+        return class_swap.TORCH_DDP._active_ddp_module or DistributedDataParallel._active_ddp_module
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -470,14 +470,14 @@ class DistributedDataParallel(AutoBucketDDP):
 
 def install() -> None:
     """Make torch's `DistributedDataParallel` name this class, in torch and in every
-    module already imported (`ddp.swap`): one call before a framework (accelerate,
+    module already imported (`ddp.class_swap`): one call before a framework (accelerate,
     Lightning) or a script builds its DDP, and it builds this one."""
-    swap.swap_ddp_class(DistributedDataParallel)
+    class_swap.swap_ddp_class(DistributedDataParallel)
 
 
 def uninstall() -> None:
     """torch's class back where `install()` put this one."""
-    swap.restore_ddp_class()
+    class_swap.restore_ddp_class()
 
 
 def _default_group() -> dist.ProcessGroup:

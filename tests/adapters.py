@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from ddp import comm_hooks
+from ddp import comm_hook_functions
 from ddp.train import keyword_options
 from stages import STAGES
 
@@ -28,10 +28,10 @@ def stages_from(first: str) -> list[str]:
 # name -> (ours, torch's). Workers look hooks up by name: torch's wrappers are closures,
 # which pickle cannot send.
 COMM_HOOKS = {
-    "allreduce": (comm_hooks.allreduce_hook, default_hooks.allreduce_hook),
-    "fp16": (comm_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
-    "bf16": (comm_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook),
-    "powerSGD": (comm_hooks.powerSGD_hook, torch_powersgd.powerSGD_hook),
+    "allreduce": (comm_hook_functions.allreduce_hook, default_hooks.allreduce_hook),
+    "fp16": (comm_hook_functions.fp16_compress_hook, default_hooks.fp16_compress_hook),
+    "bf16": (comm_hook_functions.bf16_compress_hook, default_hooks.bf16_compress_hook),
+    "powerSGD": (comm_hook_functions.powerSGD_hook, torch_powersgd.powerSGD_hook),
 }
 
 

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import pytest
 
-from profiling.tensorboard_screenshot import launched_chromium
+from profiling.course.tensorboard_screenshot import launched_chromium
 
 
 def unavailable(reason: str) -> NoReturn:

@@ -1,4 +1,4 @@
-"""What the suite runs: the distributed run of one case (a net of tests.models) on the
+"""What the suite runs: the distributed run of one case (a net of tests.nets) on the
 workers, and the single-process reference it is compared with."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests import pool
 from tests.adapters import TORCH_DDP, build_wrapper
-from tests.compare import clone
-from tests.models import NetSpec, build_net
+from tests.against_torch import clone
+from tests.nets import NetSpec, build_net
 
 # What a stage may declare in `collectives`, each standing for some collectives of one
 # synchronised backward (tests/test_suite.py, property 4, says which).

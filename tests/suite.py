@@ -30,7 +30,7 @@ from tests.cases import (
     status_rides,
     status_width,
 )
-from tests.models import NetSpec, build_net
+from tests.nets import NetSpec, build_net
 from tests.pool import check_no_errors
 
 

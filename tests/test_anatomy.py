@@ -1,11 +1,11 @@
-"""profiling/anatomy.py: the step the "Anatomy of a step" page draws, on cases worked out
+"""profiling/course/anatomy.py: the step the "Anatomy of a step" page draws, on cases worked out
 by hand (the page's JavaScript is checked against it in tests/test_docs_site.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from profiling import anatomy
+from profiling.course import anatomy
 from profiling.simulate.schedule import Grad, Workload
 
 # Two gradients of 1 MB: the later layer's (index 1) ready 50 ms into backward, the

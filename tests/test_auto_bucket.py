@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto" against torch's DDP (runs compared as tests.compare describes):
+"""bucket_cap_mb="auto" against torch's DDP (runs compared as tests.against_torch describes):
 every rank picks the same layout and trains as torch's DDP does, the model's own cut
 included; the choice between the cut and the uniform caps against cases worked out by
 hand; bad options raise."""
@@ -25,8 +25,14 @@ from stages.auto_bucket import (
     trial_rounds,
 )
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import assert_same_steps, ours_and_torchs, run_checked, sgd_steps, tolerance
-from tests.models import Layers, Wide
+from tests.against_torch import (
+    assert_same_steps,
+    ours_and_torchs,
+    run_checked,
+    sgd_steps,
+    tolerance,
+)
+from tests.nets import Layers, Wide
 
 # Two steps before the choice, then two per layout on trial per round (at most 5
 # layouts; the fewest rounds, under `fewest_rounds`), then one with the layout decided.

@@ -14,7 +14,7 @@ from torch import nn
 from ddp.data import split_batch
 from stages import STAGES
 from tests.adapters import build_wrapper, stages_from
-from tests.models import Net, NetSpec, build_net
+from tests.nets import Net, NetSpec, build_net
 from tests.pool import RankError
 
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI

@@ -5,7 +5,7 @@ about bucket_cap_mb, buckets cut in reverse parameter order. The suite's four pr
 from __future__ import annotations
 
 from tests.cases import expected_bucket_sizes, run_case
-from tests.models import build_net
+from tests.nets import build_net
 from tests.suite import check_case, trainable, worked
 
 

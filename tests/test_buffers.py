@@ -1,4 +1,4 @@
-"""broadcast_buffers against torch's DDP (runs compared as tests.compare describes):
+"""broadcast_buffers against torch's DDP (runs compared as tests.against_torch describes):
 BatchNorm's running statistics follow rank 0, at construction and at the forwards torch
 picks."""
 
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import EXAMPLES, assert_same, buffers_of, clone, params_of, run_both
-from tests.models import Normed
+from tests.against_torch import EXAMPLES, assert_same, buffers_of, clone, params_of, run_both
+from tests.nets import Normed
 
 # step: one synced step; accumulate: two micro-batches, the first under no_sync;
 # eval: forward in eval mode under no_grad; no_grad: forward in train mode under no_grad

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ddp.collectives import ALGORITHMS, all_reduce
+from tests.against_torch import run_checked
 from tests.collectives_cases import Record, run_cases
-from tests.compare import run_checked
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def test_emulated_delay_is_paid_once_per_step(pool) -> None:
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
 def test_the_ring_figure_follows_the_rings_schedule(p, tmp_path, monkeypatch):
-    from profiling.collectives.ring_figure import draw, ring_steps
+    from profiling.course.ring_figure import draw, ring_steps
     from tests.figures import assert_legible, record_font_sizes
 
     steps = ring_steps(p)

@@ -1,7 +1,7 @@
 """Training through our own all-reduce: the drop-in stage with `point_to_point_hook`
 (ddp.collectives on every bucket) against torch's DistributedDataParallel with its
 default Gloo all-reduce, from the same seeds and batches (runs compared as
-tests.compare describes)."""
+tests.against_torch describes)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp.comm_hooks import PointToPointState, point_to_point_hook
+from ddp.comm_hook_functions import PointToPointState, point_to_point_hook
 from tests.adapters import TORCH_DDP, build_wrapper
-from tests.compare import TIGHT, assert_same_steps, run_checked, sgd_steps
-from tests.models import WIDTH, Layers
+from tests.against_torch import TIGHT, assert_same_steps, run_checked, sgd_steps
+from tests.nets import WIDTH, Layers
 
 LAYER_CAP_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one layer's float32 gradients a bucket
 STEPS = 4

@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from ddp import comm_hooks
+from ddp import comm_hook_functions
 from ddp.buckets import assign_buckets
-from ddp.comm_hooks import GradBucket, PowerSGDState
+from ddp.comm_hook_functions import GradBucket, PowerSGDState
 from tests.adapters import COMM_HOOKS
 from tests.pool import MAX_WORLD, check_no_errors
 
@@ -30,7 +30,7 @@ HOOKS = {
     # torch's wrapper swaps a float16 copy in with set_buffer: this pair checks that our
     # set_buffer replaces the buffer as torch's does (a copy would all-reduce float32).
     "fp16_wrapper": (
-        comm_hooks.fp16_compress_hook,
+        comm_hook_functions.fp16_compress_hook,
         default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
     ),
 }
@@ -100,7 +100,7 @@ def compare_with_torch(
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
     """Bit for bit. Every hook does torch's operations in torch's order (PowerSGD even
-    through torch's bmm kernel, see ddp.comm_hooks._matmul), so any difference is a
+    through torch's bmm kernel, see ddp.comm_hook_functions._matmul), so any difference is a
     deviation from torch's algorithm, not rounding."""
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
 
@@ -200,6 +200,6 @@ def test_hooks_reject_a_bad_state() -> None:
     with pytest.raises(ValueError, match="matrix_approximation_rank"):
         PowerSGDState(None, matrix_approximation_rank=0)
     with pytest.raises(TypeError, match="allreduce_hook's state is the process group"):
-        comm_hooks.allreduce_hook(PowerSGDState(None), grad_bucket)
+        comm_hook_functions.allreduce_hook(PowerSGDState(None), grad_bucket)
     with pytest.raises(TypeError, match="must be a PowerSGDState"):
-        comm_hooks.powerSGD_hook(None, grad_bucket)
+        comm_hook_functions.powerSGD_hook(None, grad_bucket)

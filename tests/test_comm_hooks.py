@@ -1,4 +1,4 @@
-"""Training with communication hooks against torch's DDP (runs compared as tests.compare
+"""Training with communication hooks against torch's DDP (runs compared as tests.against_torch
 describes): the stage with our hook, and with torch's, against torch's DDP with torch's
 hook, buckets included; and a second registration raises."""
 
@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from ddp import comm_hooks
+from ddp import comm_hook_functions
 from tests.adapters import build_wrapper, comm_hook_by_name, stages_from
-from tests.compare import assert_same_steps, run_checked, sgd_steps, tolerance
-from tests.models import DEPTH, ONE_BUCKET_MB, WIDTH, Layers
+from tests.against_torch import assert_same_steps, run_checked, sgd_steps, tolerance
+from tests.nets import DEPTH, ONE_BUCKET_MB, WIDTH, Layers
 
 LAYER_CAP_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one layer's float32 gradient bytes
 
@@ -52,7 +52,8 @@ def train_with_hook(
     model = Layers()
     fn = comm_hook_by_name(hook if impl == "ours" else f"torch_{hook}")
     if hook == "powerSGD":
-        state_type = comm_hooks.PowerSGDState if impl == "ours" else torch_powersgd.PowerSGDState
+        ours = comm_hook_functions.PowerSGDState
+        state_type = ours if impl == "ours" else torch_powersgd.PowerSGDState
         state = state_type(group, **POWERSGD)
         if wrapper == "torch_ddp":
             fn = one_bucket_at_a_time(fn)
@@ -115,7 +116,7 @@ def test_comm_hook_training_as_torch(
         assert_same_steps(ours[0], torchs[0], f"{where}, our hook vs torch DDP", tol)
         assert_same_steps(ours_torch_hook[0], torchs[0], f"{where}, torch's hook vs DDP", tol)
         # From the rebuild on (step 1), the same buckets as torch's: PowerSGD's random
-        # projections and error feedback are per bucket (see tests.models.Layers). Step 0 differs:
+        # projections and error feedback are per bucket (see tests.nets.Layers). Step 0 differs:
         # torch starts with one bucket whatever the cap.
         assert ours[1][1:] == torchs[1][1:], (
             f"{where}: buckets differ from torch's after the rebuild:\n{ours[1]}\n{torchs[1]}"

@@ -16,8 +16,8 @@ from ddp import progress as progress_module
 from ddp.config import Config, parse_config
 from ddp.progress import Progress
 from ddp.train import RunResult, format_table, main
-from profiling.large_batch.experiment import run_all
-from profiling.large_batch.settings import Settings
+from profiling.studies.large_batch.experiment import run_all
+from profiling.studies.large_batch.settings import Settings
 from stages import STAGES, standard_runs
 from tests.test_torchrun import ROOT, torchrun
 
@@ -171,7 +171,7 @@ def test_auto_takes_gloo_where_a_node_has_fewer_gpus_than_ranks(monkeypatch) -> 
     import torch.distributed as dist
 
     from ddp.dist import setup_process_group, teardown_process_group
-    from profiling.faults import free_port
+    from profiling.studies.fault_trials import free_port
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -345,7 +345,7 @@ def _collectives_main(argv: list[str]) -> None:
 
 
 def _large_batch_main(argv: list[str]) -> None:
-    from profiling.large_batch.cli import main as large_batch
+    from profiling.studies.large_batch.cli import main as large_batch
 
     large_batch(argv)
 
@@ -358,7 +358,7 @@ def _simulate_main(argv: list[str]) -> None:
 
 def _simulate_cpu_main(argv: list[str]) -> None:
     from profiling.simulate.cli import main as simulate
-    from profiling.simulate_cpu.__main__ import COMMANDS
+    from profiling.simulate.cpu_cluster.__main__ import COMMANDS
 
     simulate(argv, commands=COMMANDS)
 

@@ -1,5 +1,5 @@
 """The compare command (profiling/compare.py) on the main job's traces, its charts
-(profiling/charts.py), the course's timelines drawn from the same traces, and its
+(profiling/common/charts.py), the course's timelines drawn from the same traces, and its
 warnings where its figures are noise."""
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def test_compare_will_not_overwrite_traces_without_being_asked(profile_logdir):
 def test_course_timelines_draw_two_lanes_per_rank_at_10_pt(profile_logdir, tmp_path):
     import re
 
-    from profiling import course_timelines
+    from profiling.course import timelines
 
-    written = course_timelines.draw(profile_logdir, tmp_path)
-    assert [p.name for p in written] == [f"timeline-{s}.svg" for s in course_timelines.STAGES]
+    written = timelines.draw(profile_logdir, tmp_path)
+    assert [p.name for p in written] == [f"timeline-{s}.svg" for s in timelines.STAGES]
     for path in written:
         svg = path.read_text()
         assert svg.lstrip().startswith("<?xml") and "<svg" in svg
@@ -113,7 +113,7 @@ def test_compare_warns_where_its_figures_are_noise():
 
 
 def test_course_pairs_stack_collectives_in_flight_at_once():
-    from profiling.course_pairs import collective_rows
+    from profiling.course.pairs import collective_rows
 
     def event(name: str, ts: float, dur: float, tid: int) -> dict:
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
@@ -137,18 +137,18 @@ def test_course_pairs_draw_each_page_at_10_pt(profile_logdir, tmp_path):
     import html
     import re
 
-    from profiling import course_pairs
+    from profiling.course import pairs
 
     logdir = tmp_path / "runs"
     logdir.mkdir()
-    for name, variant in course_pairs.VARIANTS.items():  # every variant: its stage's traces
+    for name, variant in pairs.VARIANTS.items():  # every variant: its stage's traces
         (logdir / name).symlink_to(profile_logdir / variant.stage, target_is_directory=True)
-    written = course_pairs.draw(logdir, tmp_path)
-    assert [p.name for p in written] == [f"pair-{page}.svg" for page in course_pairs.PAGES]
-    for path, variants in zip(written, course_pairs.PAGES.values(), strict=True):
+    written = pairs.draw(logdir, tmp_path)
+    assert [p.name for p in written] == [f"pair-{page}.svg" for page in pairs.PAGES]
+    for path, variants in zip(written, pairs.PAGES.values(), strict=True):
         svg = path.read_text()
         for v in variants:
-            label = html.escape(course_pairs.VARIANTS[v].label, quote=False)
+            label = html.escape(pairs.VARIANTS[v].label, quote=False)
             assert label in svg, (path.name, label)
         assert 'width="576pt"' in svg
         sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", svg)]

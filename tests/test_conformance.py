@@ -2,7 +2,7 @@
 torch's distributed suite that uses DistributedDataParallel, runs on CPU Gloo and passes
 with torch's own class (`make conformance` runs the whole selection with both classes
 and compares; docs/stages/drop_in.md gives the counts), less any that read torch's
-internals (tests/conformance/report.py would list them, each with its reason)."""
+internals (tests/conformance/outcomes.py would list them, each with its reason)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conformance.report import INTERNALS, outcomes
+from tests.conformance.outcomes import INTERNALS, outcomes
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = "tests/conformance/torch_suite.py::TestDistBackendWithSpawn"

@@ -1,10 +1,10 @@
-"""The course's schematic drawings (profiling/course_drawings.py) at page width."""
+"""The course's schematic drawings (profiling/course/drawings.py) at page width."""
 
 from __future__ import annotations
 
 
 def test_course_drawings_are_legible(tmp_path, monkeypatch) -> None:
-    from profiling.course_drawings import main as draw
+    from profiling.course.drawings import main as draw
     from tests.figures import assert_legible, record_font_sizes
 
     sizes = record_font_sizes(monkeypatch)

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from profiling.faults import free_port
+from profiling.studies.fault_trials import free_port
 from stages import STAGES
 from tests.test_torchrun import ROOT, torchrun
 

@@ -7,7 +7,7 @@ tests/test_tensorboard.py does; every request off loopback is aborted).
   source left in the rendered text (a list that did not parse shows `- **`, or a
   paragraph holding `- ` lines), and no admonition cut short (one whose last paragraph
   stops mid-sentence, or one that did not parse and shows `!!!` as text).
-- Anatomy of a step: its JavaScript computes profiling/anatomy.py's step on a grid, bar
+- Anatomy of a step: its JavaScript computes profiling/course/anatomy.py's step on a grid, bar
   by bar, and a slider moved redraws it.
 - The course's reading path (every page but the appendix): at most 6,000 words, and no
   run of the project's history named; every stage page shows its picture before any
@@ -154,7 +154,7 @@ def _around(text: str, found: re.Match) -> str:
     return text[max(found.start() - 60, 0) : found.end() + 60]
 
 
-# "Anatomy of a step": the page's JavaScript against profiling/anatomy.py's step model.
+# "Anatomy of a step": the page's JavaScript against profiling/course/anatomy.py's step model.
 ANATOMY_GRID = [
     (model, stage, layout, gbit_s, latency_s, micro)
     for model in ("mlp_2048x7", "mlp_1024x24")
@@ -167,7 +167,7 @@ ANATOMY_GRID = [
 
 
 def test_anatomy_page_computes_the_step_model(page, served: str) -> None:
-    from profiling import anatomy
+    from profiling.course import anatomy
 
     data = anatomy.read_page_data(ROOT / "docs/js/anatomy-workload.js")
     page.goto(served + "anatomy/", wait_until="load")

@@ -1,5 +1,5 @@
 """The drop-in (stages.drop_in.DistributedDataParallel): a training script written for
-torch's DDP runs unchanged with either class, to the bit (runs compared as tests.compare
+torch's DDP runs unchanged with either class, to the bit (runs compared as tests.against_torch
 describes), and what the drop-in does not implement raises as torch's does."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from stages.drop_in import DistributedDataParallel as DropIn
-from tests.compare import (
+from tests.against_torch import (
     EXACT,
     TIGHT,
     assert_same,
@@ -27,7 +27,7 @@ from tests.compare import (
     params_of,
     run_checked,
 )
-from tests.models import UserNet
+from tests.nets import UserNet
 from tests.pool import MAX_WORLD
 
 

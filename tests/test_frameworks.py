@@ -19,32 +19,32 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
 import stages.drop_in
-from ddp import swap
+from ddp import class_swap
 from stages.drop_in import DistributedDataParallel as DropIn
-from tests.compare import EXACT, TIGHT, assert_same, grads_of, params_of, run_checked
+from tests.against_torch import EXACT, TIGHT, assert_same, grads_of, params_of, run_checked
 
 
 def _ddp_class(which: str) -> type:
-    return DropIn if which == "ours" else swap.TORCH_DDP
+    return DropIn if which == "ours" else class_swap.TORCH_DDP
 
 
 # --- the swap -------------------------------------------------------------------------
 
 
 def test_install_puts_the_drop_in_where_torch_ddp_was_imported() -> None:
-    import tests.models as already_imported  # a module that bound nothing of DDP's
+    import tests.nets as already_imported  # a module that bound nothing of DDP's
 
-    already_imported.DDPAlias = swap.TORCH_DDP  # as `from torch... import ... as DDPAlias`
+    already_imported.DDPAlias = class_swap.TORCH_DDP  # as `from torch... import ... as DDPAlias`
     try:
         stages.drop_in.install()
         assert torch.nn.parallel.DistributedDataParallel is DropIn
         assert torch.nn.parallel.distributed.DistributedDataParallel is DropIn
         assert already_imported.DDPAlias is DropIn
-        assert swap.TORCH_DDP is not DropIn  # torch's own class stays reachable
+        assert class_swap.TORCH_DDP is not DropIn  # torch's own class stays reachable
     finally:
         stages.drop_in.uninstall()
-    assert torch.nn.parallel.DistributedDataParallel is swap.TORCH_DDP
-    assert already_imported.DDPAlias is swap.TORCH_DDP
+    assert torch.nn.parallel.DistributedDataParallel is class_swap.TORCH_DDP
+    assert already_imported.DDPAlias is class_swap.TORCH_DDP
     # Only what install() rebound goes back: the drop-in's own name stays the drop-in.
     assert stages.drop_in.DistributedDataParallel is DropIn
     stages.drop_in.install()  # and it installs again

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from profiling import charts, compare
+from profiling import compare
 from profiling.analysis import (
     TraceFormatError,
     analyse_runs,
@@ -28,6 +28,7 @@ from profiling.analysis import (
     read_logdir,
     step_timeline,
 )
+from profiling.common import charts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu-traces"
 DDP = FIXTURES / "a100-ddp-resnet50" / "a100-ddp-resnet50-rank0.json.gz"

@@ -1,4 +1,4 @@
-"""gradient_as_bucket_view against torch's DDP (runs compared as tests.compare describes):
+"""gradient_as_bucket_view against torch's DDP (runs compared as tests.against_torch describes):
 .grad is the bucket's memory, and stays so."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import assert_same, grads_of, params_of, run_both
-from tests.models import NetSpec, build_net
+from tests.against_torch import assert_same, grads_of, params_of, run_both
+from tests.nets import NetSpec, build_net
 
 VIEW_NET = NetSpec(  # two dtypes, a tied and a transposed weight, a frozen layer
     d_in=3,

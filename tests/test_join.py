@@ -1,4 +1,4 @@
-"""Uneven inputs under Join against torch's DDP (runs compared as tests.compare
+"""Uneven inputs under Join against torch's DDP (runs compared as tests.against_torch
 describes): ranks with fewer batches shadow the others, as under torch's DDP."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms import Join
 
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import (
+from tests.against_torch import (
     EXACT,
     assert_same,
     assert_same_steps,
@@ -23,7 +23,7 @@ from tests.compare import (
     run_checked,
     tolerance,
 )
-from tests.models import ONE_BUCKET_MB, Normed
+from tests.nets import ONE_BUCKET_MB, Normed
 
 
 @dataclass(frozen=True)

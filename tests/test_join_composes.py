@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tests import pool
 from tests.adapters import build_wrapper
 from tests.cases import CollectiveLog
-from tests.models import Gated
+from tests.nets import Gated
 from tests.pool import check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_JOIN_EXAMPLES", "200"))

@@ -14,11 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from profiling.large_batch.data import Split, classification_data, epoch_batches, worker_samplers
-from profiling.large_batch.experiment import BatchNormMLP, build, train_run
-from profiling.large_batch.lr import large_batch_schedule, linear_scaled_lr
-from profiling.large_batch.param_groups import no_decay_param_groups
-from profiling.large_batch.settings import Settings
+from profiling.studies.large_batch.classification_data import (
+    Split,
+    classification_data,
+    epoch_batches,
+    worker_samplers,
+)
+from profiling.studies.large_batch.experiment import BatchNormMLP, build, train_run
+from profiling.studies.large_batch.lr import large_batch_schedule, linear_scaled_lr
+from profiling.studies.large_batch.param_groups import no_decay_param_groups
+from profiling.studies.large_batch.settings import Settings
 from tests.pool import RankError, check_no_errors
 
 # ---------------------------------------------------------------- learning-rate rules
@@ -297,7 +302,7 @@ def test_the_docs_figures_redrawn_from_their_json_are_legible(tmp_path, monkeypa
     """--render draws from the committed results, without training, at the docs' width."""
     from pathlib import Path
 
-    from profiling.large_batch import cli
+    from profiling.studies.large_batch import cli
     from tests.figures import assert_legible, record_font_sizes
 
     sizes = record_font_sizes(monkeypatch)
@@ -311,7 +316,7 @@ def test_the_docs_figures_redrawn_from_their_json_are_legible(tmp_path, monkeypa
 
 
 def test_render_needs_a_plot_prefix():
-    from profiling.large_batch import cli
+    from profiling.studies.large_batch import cli
 
     with pytest.raises(SystemExit, match="--plot-prefix"):
         cli.main(["--render", "docs/results/large-batch.json"])
@@ -369,7 +374,7 @@ def one_thread():
 
 
 def test_interrupted_experiment_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, one_thread):
-    from profiling.large_batch import experiment
+    from profiling.studies.large_batch import experiment
 
     reference = experiment.run_all(tiny(**RESUMABLE))  # never interrupted, no checkpoints
     s = tiny(**RESUMABLE, checkpoint_dir=str(tmp_path), checkpoint_every=3)
@@ -393,7 +398,7 @@ def test_interrupted_experiment_resumes_bit_for_bit(tmp_path, monkeypatch, capsy
 
 def test_a_checkpoint_of_other_settings_is_refused(tmp_path, one_thread):
     from ddp.checkpoint import CheckpointError
-    from profiling.large_batch import experiment
+    from profiling.studies.large_batch import experiment
 
     s = tiny(**{**RESUMABLE, "workers": "4"}, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     experiment.run_all(s)
@@ -404,7 +409,7 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path, one_thread):
 def interrupted_run(rank, group, s, data, interrupt_at):
     """train_run on this rank, interrupted on every rank before step `interrupt_at`
     (the optimizer's pre-hook runs after the step's all-reduce: no rank is left in one)."""
-    from profiling.large_batch import experiment
+    from profiling.studies.large_batch import experiment
 
     steps: dict = {}
     experiment.build = count_steps(

@@ -5,7 +5,7 @@ worked case; tests/test_suite.py draws many more."""
 from __future__ import annotations
 
 from tests.cases import run_case
-from tests.models import build_net
+from tests.nets import build_net
 from tests.suite import check_case, worked
 
 

@@ -1,5 +1,5 @@
 """The per-step overhead command (`python -m profiling.overhead`): its paired arithmetic
-(`profiling.overhead_table`) on hand-made timings, and one tiny run end to end on 1 and
+(`profiling.overhead.tables`) on hand-made timings, and one tiny run end to end on 1 and
 2 Gloo ranks. Nothing here depends on how fast anything ran."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from profiling.overhead import variant_order
-from profiling.overhead_table import BARE, REFERENCE, paired_summary
+from profiling.overhead.cli import variant_order
+from profiling.overhead.tables import BARE, REFERENCE, paired_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddp import checkpoint
-from profiling import faults
+from profiling.studies import fault_trials
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def harness_options(**overrides: object) -> object:
     """The harness's defaults (the command of the done criterion, 123 steps), adjusted."""
     parser_args = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]
-    return faults.options(parser_args)
+    return fault_trials.options(parser_args)
 
 
 @pytest.fixture(scope="module")
 def reference_sha256() -> str:
     """The final parameters of the run with no fault and no checkpoint at all."""
-    sha256, _ = faults.reference(harness_options())
+    sha256, _ = fault_trials.reference(harness_options())
     return sha256
 
 
@@ -47,7 +47,7 @@ def reference_sha256() -> str:
 def test_killed_worker_resumes_to_the_same_parameters(
     reference_sha256: str, rank: int, step: int, phase: str
 ) -> None:
-    trial = faults.run_trial(faults.Trial(rank, step, phase), harness_options())
+    trial = fault_trials.run_trial(fault_trials.Trial(rank, step, phase), harness_options())
     assert trial.fired and trial.resumed, f"exit {trial.returncode}"
     assert trial.returncode == 0
     assert trial.sha256 == reference_sha256
@@ -239,7 +239,7 @@ def test_stopped_rank_is_named_within_timeout() -> None:
     process = launch(
         "--nproc-per-node", "2", "-m", "stages.drop_in", "--steps", "100000",
         "--timeout", str(timeout_s),
-        env={faults.ENV: "1:20:forward:STOP"},
+        env={fault_trials.ENV: "1:20:forward:STOP"},
     )  # fmt: skip
     lines = timed_lines(process)
     stopped_pid = None

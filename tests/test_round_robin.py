@@ -1,4 +1,4 @@
-"""round_robin_groups against torch's DDP (runs compared as tests.compare describes):
+"""round_robin_groups against torch's DDP (runs compared as tests.against_torch describes):
 bucket i goes over process group i mod k, and training is torch's."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from tests import pool as pool_module
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import assert_same_steps, run_checked, sgd_steps, tolerance
-from tests.models import DEPTH, ONE_BUCKET_MB, WIDTH, Layers
+from tests.against_torch import assert_same_steps, run_checked, sgd_steps, tolerance
+from tests.nets import DEPTH, ONE_BUCKET_MB, WIDTH, Layers
 
 
 def train_round_robin(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from profiling.simulate.cpu_cluster.sharing import SharedCores
 from profiling.simulate.layouts import per_parameter, uniform_buckets
 from profiling.simulate.schedule import (
     Cost,
@@ -16,7 +17,6 @@ from profiling.simulate.schedule import (
     linear_cost,
     simulate,
 )
-from profiling.simulate_cpu.sharing import SharedCores
 
 MiB = 2**20
 # Two gradients of 100 bytes: the last layer's ready 1 s into backward, the first's at 3 s.

@@ -11,9 +11,8 @@ import torch
 
 from ddp.config import Config
 from ddp.models import build_model
-from profiling.simulate.schedule import linear_cost
-from profiling.simulate_cpu import measure
-from profiling.simulate_cpu.calibration import (
+from profiling.simulate.cpu_cluster import measure
+from profiling.simulate.cpu_cluster.calibration import (
     buffer_bytes,
     busy_launch_s,
     call_s,
@@ -21,7 +20,7 @@ from profiling.simulate_cpu.calibration import (
     lanes,
     slope_s,
 )
-from profiling.simulate_cpu.contention import (
+from profiling.simulate.cpu_cluster.contention import (
     LATENCY_SLOWDOWN_MAX,
     comm_slowdown,
     flight_under,
@@ -29,12 +28,13 @@ from profiling.simulate_cpu.contention import (
     model_trickle,
     trickle_slowdowns,
 )
-from profiling.simulate_cpu.inputs import (
+from profiling.simulate.cpu_cluster.inputs import (
     Repeat,
     measure_workload,
     pooled_repeats,
     slowest_workload,
 )
+from profiling.simulate.schedule import linear_cost
 
 # - inputs --------------------------------------------------------------------------------
 
@@ -77,7 +77,7 @@ def test_slowest_rank_of_each_repeat_then_medians():
 
 
 def test_inputs_time_on_one_thread_and_give_the_callers_back():
-    from profiling.simulate_cpu.inputs import time_repeats
+    from profiling.simulate.cpu_cluster.inputs import time_repeats
 
     before, seen = torch.get_num_threads(), []
     cfg = Config(model="mlp", width=16, depth=2, batch_size=4)

@@ -1,4 +1,4 @@
-"""The calibration's worker itself (`profiling.simulate_cpu.worker`), on 2 ranks
+"""The calibration's worker itself (`profiling.simulate.cpu_cluster.worker`), on 2 ranks
 over loopback (no link shaped: nothing here checks a figure against a rate), with a
 tiny MLP and a two-size sweep: what it keeps of the compute, and each stage's step with
 no communication. About 20 s."""
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ddp.config import Config
-from profiling.simulate_cpu import calibration, worker
+from profiling.simulate.cpu_cluster import calibration, worker
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = [["naive", None], ["bucketed", 1e-6], ["overlapped", 1e6], ["drop_in", 1e6]]
@@ -32,7 +32,7 @@ def test_the_compute_is_the_medians_over_the_repeats_in_a_row_and_every_spell(tm
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "profiling.simulate_cpu.worker",
+        "-m", "profiling.simulate.cpu_cluster.worker",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", worker.ENV: json.dumps(settings)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -66,7 +66,7 @@ import stages
 from ddp.config import Config
 from ddp.dist import teardown_process_group
 from ddp.train import ComputeOnly
-from profiling.simulate_cpu import measure
+from profiling.simulate.cpu_cluster import measure
 
 class Slow(ComputeOnly):  # the compute, and 20 ms of the stage's own after backward
     def __init__(self, module, *, process_group=None, bucket_cap_mb=None):

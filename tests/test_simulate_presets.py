@@ -30,7 +30,7 @@ def test_resnet50_matches_torchvisions_documented_size():
     [("resnet101", 44_549_160), ("resnext50_32x4d", 25_028_904), ("resnext101_32x8d", 88_791_336)],
 )  # torchvision's documented sizes (its model table's "Params")
 def test_resnets_of_torchs_ddp_benchmark_match_torchvision(factory: str, parameters: int):
-    from profiling.simulate_published import torch_bench
+    from profiling.simulate.published import torch_bench
 
     model = getattr(presets, factory, None) or getattr(torch_bench, factory)
     model = model("meta")

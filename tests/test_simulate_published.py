@@ -1,4 +1,4 @@
-"""profiling.simulate_published: the published measurements as their sources give them,
+"""profiling.simulate.published: the published measurements as their sources give them,
 and the command that sets the model's predictions beside them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from profiling.simulate_published import compare as published
-from profiling.simulate_published import torch_bench
+from profiling.simulate.published import measurements as published
+from profiling.simulate.published import torch_bench
 
 
 def test_torchs_benchmark_efficiencies_are_its_readme_figures():
@@ -53,7 +53,7 @@ def kernel(name: str, ts: float, dur: float, grid=(1, 1, 1)) -> dict:
 
 
 def test_compute_beside_nccl_by_hand():
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     events = [
         kernel("ncclKernel_AllReduce_RING_LL_Sum_float", 100, 100),  # NCCL from 100 to 200
@@ -74,7 +74,7 @@ def traced_passes() -> list[dict]:
     """One profiler step of two gradients, each scaled into its bucket by an elementwise
     kernel (2 us + 1 us per 1000 bytes) and copied back (1 us + 1 us per 2000 bytes);
     and a copy that no reducer op launched (a buffer's), which must not count."""
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     events = [{"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 1e4}]
 
@@ -110,7 +110,7 @@ def traced_passes() -> list[dict]:
 
 
 def test_reducer_passes_fit_a_fixed_time_and_a_bandwidth_by_hand():
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     work = terms.reducer_work(traced_passes(), memory_bytes_per_s=1e9)
     assert work.scale.launches_per_step == 2 and work.scale.bytes_per_step == 4096 + 12288
@@ -124,8 +124,8 @@ def test_reducer_passes_fit_a_fixed_time_and_a_bandwidth_by_hand():
 def hand_sharing():
     """Passes of 1 us + 1 us per 1000 bytes (a copy) and 2 us + 1 us per 2000 bytes (a
     scale), on a GPU of 2e9 bytes/s; backward 1.25x as long beside NCCL."""
+    from profiling.simulate.published import terms
     from profiling.simulate.schedule import Grad, Workload
-    from profiling.simulate_published import terms
 
     copy = terms.Pass(2, 0, fixed_s=1e-6, share_of_memory_bandwidth=0.5)
     scale = terms.Pass(2, 0, fixed_s=2e-6, share_of_memory_bandwidth=1.0)
@@ -161,8 +161,8 @@ def test_gpu_sharing_puts_torch_1_4s_passes_where_its_reducer_does():
 
 
 def test_gpu_sharing_in_the_whole_schedule_by_hand():
+    from profiling.simulate.published.torch_bench import step_s
     from profiling.simulate.schedule import Cost
-    from profiling.simulate_published.torch_bench import step_s
 
     sharing, w = hand_sharing()
     sharing = replace(sharing, slowdown=0.0)
@@ -182,7 +182,7 @@ def test_gpu_sharing_in_the_whole_schedule_by_hand():
 
 def test_the_terms_measured_on_the_docs_trace():
     # A real trace recorded by others: torch's DDP, ResNet-50, 2 A100s, NCCL 2.17.1.
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     events = terms.load(terms.DOCS_TRACE)
     work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
@@ -240,7 +240,7 @@ def test_li_overlap_speedup_moves_with_its_unknown_settings():
 
 
 def test_each_term_lowers_the_benchmarks_efficiencies():
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     rows = [r for r in published.rows(terms.DOCS_TRACE) if r.what.endswith("without DDP")]
     for r in rows:
@@ -253,7 +253,7 @@ def test_each_term_lowers_the_benchmarks_efficiencies():
 def test_stragglers_by_hand():
     import math
 
-    from profiling.simulate_published import terms
+    from profiling.simulate.published import terms
 
     # The largest of 2 and of 3 standard normal draws: 1/sqrt(pi) and 3/(2 sqrt(pi)).
     assert terms.expected_max_normal(1) == pytest.approx(0.0, abs=1e-9)

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from profiling.simulate import clusters, paper, presets, scale
+from profiling.simulate import clusters, presets, scale
+from profiling.simulate.published import paper
 from profiling.simulate.schedule import Grad, Workload
 from profiling.simulate.topology import Topology, halving_doubling, ring
 

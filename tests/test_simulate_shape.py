@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from profiling.simulate import paper, presets, shape, usermodel
+from profiling.simulate import presets, shape, usermodel
+from profiling.simulate.published import paper
 from tests.fixtures import user_models
 
 TINY = "tests.fixtures.user_models:tiny_bert"

@@ -206,7 +206,7 @@ def test_buckets_and_gantt_on_a_user_model(tmp_path, command, gpus, printed, wri
 
 
 def test_caps_on_a_cluster_pick_the_fastest_and_measure_the_gain():
-    from profiling.simulate.buckets import caps_on_cluster
+    from profiling.simulate.bucket_caps import caps_on_cluster
     from profiling.simulate.schedule import Grad, Workload
     from profiling.simulate.topology import Topology
 
@@ -223,7 +223,7 @@ def test_caps_on_a_cluster_pick_the_fastest_and_measure_the_gain():
     "argv",
     [
         ["profiling.simulate", "paper"],
-        ["profiling.simulate_cpu", "buckets", "--shapes", "64x3x16", "--repeats", "1"],
+        ["profiling.simulate.cpu_cluster", "buckets", "--shapes", "64x3x16", "--repeats", "1"],
     ],
 )
 def test_the_other_commands_write_where_they_are_run(tmp_path, argv):

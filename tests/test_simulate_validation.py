@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from profiling.simulate.schedule import Grad, Workload, linear_cost
-from profiling.simulate_cpu.analyse import (
+from profiling.simulate.cpu_cluster.analyse import (
     analyse,
     best_bucket,
     measurements,
     ranking,
     summary_line,
 )
-from profiling.simulate_cpu.calibration import Calibration, cost_model, model_fits
-from profiling.simulate_cpu.contention import latency_slowdowns, model_trickle
-from profiling.simulate_cpu.inputs import workload_to_json
-from profiling.simulate_cpu.predict import (
+from profiling.simulate.cpu_cluster.calibration import Calibration, cost_model, model_fits
+from profiling.simulate.cpu_cluster.contention import latency_slowdowns, model_trickle
+from profiling.simulate.cpu_cluster.inputs import workload_to_json
+from profiling.simulate.cpu_cluster.predict import (
     BUCKETED_STAGES,
     CAPS_MB,
     RATES,
@@ -31,6 +30,7 @@ from profiling.simulate_cpu.predict import (
     calibration_for,
     predict,
 )
+from profiling.simulate.schedule import Grad, Workload, linear_cost
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -95,7 +95,7 @@ def test_measured_runs_pool_naive_and_split_rounds():
 
 
 def test_table_and_last_line_from_a_hand_written_bench_json(tmp_path, capsys):
-    from profiling.simulate_cpu.validate import run as validate_run
+    from profiling.simulate.cpu_cluster.validate import run as validate_run
 
     data = {
         "command": "python -m profiling.simulate validate (by hand)",
@@ -198,8 +198,8 @@ def test_not_counted_without_measurement():
 
 
 def test_gantt_draws_each_stage_as_its_schedule(tmp_path):
+    from profiling.course.simulated_steps import CAPTIONS, simulate_stages
     from profiling.simulate.gantt import draw
-    from profiling.simulate_cpu.gantt import CAPTIONS, simulate_stages
 
     MiB = 2**20
     # Three 10 MiB gradients: the stages' 25 MiB cap makes buckets [2, 1] and [0].
@@ -289,7 +289,7 @@ def test_drop_in_takes_the_measured_buffer_broadcast_by_hand():
     # at 0.3 ms: drop_in is 36 + 0.3 (before forward) + 1 (the status rows) = 37.3 ms,
     # not 38. A calibration's JSON carries it per model; one made before it was timed
     # costs the broadcast as an all-reduce (38 ms), and a model without it too.
-    from profiling.simulate_cpu.predict import buffer_broadcast_s
+    from profiling.simulate.cpu_cluster.predict import buffer_broadcast_s
 
     run = Run("m", "1gbit", 2, "drop_in", 1e6)
     timed = two_gradients(
@@ -448,8 +448,8 @@ def test_known_compute_predicts_again_with_the_measured_compute_by_hand(tmp_path
     # Predicted again: naive 20 + 40 + two all-reduces + 10 = 72 ms; bucketed with one
     # bucket 71. Measured 80 and 71: errors 10% and 0%. compute_only is not a run.
     from profiling.simulate import cli
-    from profiling.simulate_cpu.analyse import known_compute
-    from profiling.simulate_cpu.predict import with_compute_ms
+    from profiling.simulate.cpu_cluster.analyse import known_compute
+    from profiling.simulate.cpu_cluster.predict import with_compute_ms
 
     workload = two_gradients(0.010, 0.020, 0.001).workloads["m"]
     calibration = calibration_json(workload, {"mlp": {}}, call_s=0.001)
@@ -500,7 +500,11 @@ def test_torchs_default_layout_against_uniform_caps_by_hand():
     # together: 65 ms.) The drop-in at 2 MiB, one each: d 12-14.5, c 15-25, b 25-35,
     # a 35-45: 50 ms, 9.1% under torch's; at 1.5 MiB the same layout; one bucket,
     # ready at 30: 30-62.5, then 67.5.
-    from profiling.simulate_cpu.buckets import Shape, default_against_caps, parse_shape
+    from profiling.simulate.cpu_cluster.bucket_layouts import (
+        Shape,
+        default_against_caps,
+        parse_shape,
+    )
 
     MiB = 2**20
     calibration = two_gradients(0.0, 0.0, 0.0, buffer_bytes={"m": []})
@@ -533,7 +537,7 @@ def test_torchs_default_layout_against_uniform_caps_by_hand():
 
 def test_buckets_command_reads_the_docs_calibration(tmp_path, capsys):
     from profiling.simulate import cli
-    from profiling.simulate_cpu.__main__ import COMMANDS
+    from profiling.simulate.cpu_cluster.__main__ import COMMANDS
 
     def main(argv: list[str]) -> None:
         cli.main([*argv, "--no-files"], commands=COMMANDS)
@@ -588,9 +592,9 @@ def test_each_model_is_calibrated_just_before_its_own_benchmark(tmp_path, monkey
     # The whole grid with the calibration and the benchmark stood in for by run V's: on
     # every cluster, each model's calibration (of that model alone) comes right before
     # its benchmark, and its runs are predicted from it, before it is measured.
-    import profiling.simulate_cpu.calibration as calibration_module
+    import profiling.simulate.cpu_cluster.calibration as calibration_module
     from profiling.simulate import cli
-    from profiling.simulate_cpu import validate
+    from profiling.simulate.cpu_cluster import validate
 
     kept = json.loads((RESULTS / "simulate-validate-v.json").read_text())
     events, made = [], {}

@@ -1,6 +1,6 @@
 """Sparse gradients (nn.Embedding(sparse=True)) are all-reduced as sparse tensors, each
 in a bucket of its own, as torch's DDP does, with every stage's options; compared with
-torch's DDP (runs compared as tests.compare describes)."""
+torch's DDP (runs compared as tests.against_torch describes)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from ddp.train import keyword_options
 from stages import STAGES
 from tests.adapters import TORCH_DDP, build_wrapper, stages_from
-from tests.compare import assert_same, params_of, run_both
-from tests.models import Bag
+from tests.against_torch import assert_same, params_of, run_both
+from tests.nets import Bag
 
 STEPS, ACCUMULATION = 3, 2
 

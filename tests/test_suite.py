@@ -19,7 +19,7 @@ from tests.cases import (
     TORCH_OPTIONS,
     Case,
 )
-from tests.models import NetSpec
+from tests.nets import NetSpec
 from tests.pool import MAX_WORLD
 from tests.suite import check_case
 

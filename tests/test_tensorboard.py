@@ -440,7 +440,7 @@ def test_profiler_tab_offline_waits_for_google_charts(offline, tensorboard) -> N
 
 
 def test_the_docs_screenshot_command_draws_the_scalars(browser, profile_logdir, tmp_path) -> None:
-    from profiling import tensorboard_screenshot
+    from profiling.course import tensorboard_screenshot
 
     out = tmp_path / "scalars.png"
     tags = "step time ms|loss"

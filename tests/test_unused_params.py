@@ -1,4 +1,4 @@
-"""find_unused_parameters against torch's DDP (runs compared as tests.compare describes):
+"""find_unused_parameters against torch's DDP (runs compared as tests.against_torch describes):
 which branches forward runs changes per step, micro-batch and rank. And the errors: a
 parameter unused on some ranks without the flag, where torch's DDP hangs, and a loss that
 reaches a parameter the output does not, where it raises; the stage raises on every
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.adapters import build_wrapper, stages_from
-from tests.compare import EXAMPLES, assert_same, grads_of, params_of, run_both
-from tests.models import BRANCHES, Branchy, TwoHeads
+from tests.against_torch import EXAMPLES, assert_same, grads_of, params_of, run_both
+from tests.nets import BRANCHES, Branchy, TwoHeads
 from tests.pool import RankError
 
 SECONDS = 20  # a hang fails the test after this long instead of blocking CI

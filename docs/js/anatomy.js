@@ -3,10 +3,10 @@
 // The step is computed here, in the browser, by the step model's event loop
 // (profiling/simulate/schedule.py, simulate(), with no sharing: backward runs at its
 // own speed whatever is in flight, and one collective is served at a time), on the
-// data python -m profiling.anatomy --docs writes into anatomy-workload.js. With no
+// data python -m profiling.course.anatomy --docs writes into anatomy-workload.js. With no
 // sharing the loop has a closed form: a bucket is launched once its last gradient is
 // ready and every earlier bucket was launched, and it starts once the collective
-// before it has ended. profiling/anatomy.py's step() is the same computation in
+// before it has ended. profiling/course/anatomy.py's step() is the same computation in
 // Python; the docs' browser test checks one against the other on a grid.
 (function () {
   "use strict";
@@ -55,7 +55,7 @@
   }
 
   // The step of `stage` on data.models[name] with its layouts[layout]: see
-  // profiling/anatomy.py's step() and bound_s().
+  // profiling/course/anatomy.py's step() and bound_s().
   function step(name, stage, layout, gbitS, latencyS, microBatches) {
     model = data.models[name];
     const buckets = model.layouts[stage === "naive" ? "naive" : layout];

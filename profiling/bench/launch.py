@@ -14,7 +14,7 @@ from pathlib import Path
 from profiling.bench.options import BenchOptions, parse_options
 from profiling.bench.output import write_outputs
 from profiling.bench.rounds import run_worker
-from profiling.report import command_line, read_json
+from profiling.common.report import command_line, read_json
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from profiling.bench.options import COMM, FLOOR, BenchOptions
 from profiling.bench.plot import plot
 from profiling.bench.records import network_label
-from profiling.report import markdown_table, produced_by, read_json, write_json
+from profiling.common.report import markdown_table, produced_by, read_json, write_json
 
 
 def describe(record: dict) -> str:

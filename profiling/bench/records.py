@@ -14,7 +14,7 @@ from ddp.bucket_cuts import served_in_order
 from ddp.config import Config
 from profiling.bench.options import COMM, FLOOR, REFERENCE, BenchOptions
 from profiling.bench.variants import global_batch
-from profiling.report import command_line, machine
+from profiling.common.report import command_line, machine
 
 
 def make_record(

@@ -33,7 +33,7 @@ from profiling.bench.variants import (
     step,
     variant_wraps,
 )
-from profiling.report import load_average
+from profiling.common.report import load_average
 
 
 def run_worker(opts: BenchOptions, cfg: Config) -> None:

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from profiling.bench.output import describe_network
-from profiling.report import command_line, markdown_table, produced_by, read_json
+from profiling.common.report import command_line, markdown_table, produced_by, read_json
 
 
 def round_medians(variant: dict) -> dict[int, float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ddp.collectives import ALGORITHMS
 from profiling.collectives import output
 from profiling.collectives.worker import GLOO
-from profiling.report import command_line, load_average, machine, read_json, write_json
+from profiling.common.report import command_line, load_average, machine, read_json, write_json
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
-from profiling import report
 from profiling.collectives import model
-from profiling.report import markdown_table, produced_by
+from profiling.common import report
+from profiling.common.report import markdown_table, produced_by
 
 ORDER = ["naive", "ring", "halving_doubling", "tree", "gloo"]
 COLORS = {"naive": "tab:red", "ring": "tab:blue", "halving_doubling": "tab:green",

@@ -5,7 +5,7 @@ stage pages draw the traced step.
 
 One overlapped step of `--model` (a preset or yours, `usermodel`) on a cluster
 (`clusters`) at --gpus and --bucket-cap-mb. The course's drawings of four stages on
-the virtual CPU cluster are `python -m profiling.simulate_cpu gantt`, which draws with
+the virtual CPU cluster are `python -m profiling.course.simulated_steps`, which draws with
 `draw` below.
 """
 
@@ -29,7 +29,7 @@ def draw(step: Step, caption: str, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from profiling.charts import COLOURS
+    from profiling.common.charts import COLOURS
 
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.6))

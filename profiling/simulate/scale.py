@@ -154,7 +154,7 @@ def _numbers(text: str, name: str, kind=float) -> list:
 def run(args: argparse.Namespace) -> None:
     from dataclasses import asdict
 
-    from profiling import report
+    from profiling.common import report
     from profiling.simulate import clusters, model_args, outputs
 
     gpus = _numbers(args.gpus, "gpus", int)
@@ -258,7 +258,7 @@ def _layout_label(layout: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    from profiling.report import markdown_table, produced_by
+    from profiling.common.report import markdown_table, produced_by
 
     s = result["settings"]
     out = [produced_by([s["command"]]), "", "```text", *s["assumptions"], "```", ""]
@@ -299,7 +299,7 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from profiling import report
+    from profiling.common import report
 
     font = report.FIGURE_FONT_PT
     plt.rcParams.update({"font.size": font})

@@ -23,7 +23,7 @@ It knows nothing of torch. What it is given:
   what the stage does besides its all-reduces. Here only `slowdown`: how much longer
   backward takes while a collective is in flight (0.3: 30% longer; on a GPU its
   kernels share the SMs). The virtual CPU cluster's calibration extends it
-  (`profiling.simulate_cpu.sharing`) with what two shared cores add.
+  (`profiling.simulate.cpu_cluster.sharing`) with what two shared cores add.
 
 Everything is in seconds. The schedule is exact for the model: tests check it against
 schedules worked out by hand.
@@ -122,7 +122,7 @@ class StageSchedule:
 class Sharing:
     """What the hardware and the stage add to the bare schedule; each method says how.
     Here: backward `slowdown` times slower while a collective is in flight, nothing
-    else. An extension overrides the methods (`profiling.simulate_cpu.sharing`)."""
+    else. An extension overrides the methods (`profiling.simulate.cpu_cluster.sharing`)."""
 
     slowdown: float = 0.0  # backward's extra time while a collective is in flight
 

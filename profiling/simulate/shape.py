@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
 
     import torch
 
-    from profiling import report
+    from profiling.common import report
     from profiling.simulate import presets, usermodel
 
     if args.compare is not None:
@@ -223,7 +223,7 @@ def comparison(shapes: list[Shape]) -> list[dict]:
 def print_comparison(paths: list[str], markdown_path: str | None) -> None:
     from pathlib import Path
 
-    from profiling.report import command_line, markdown_table, produced_by
+    from profiling.common.report import command_line, markdown_table, produced_by
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "results"
     shapes = [load(p, "--compare") for p in paths or [str(docs / name) for name in DOCS_SHAPES]]

@@ -1,0 +1,11 @@
+"""The course's figure makers: each module draws or computes what a docs page shows, and
+names the command that remakes it (`python -m profiling.course.<module> --help`).
+
+- `timelines`, `pairs`: each stage's traced step on the shaped cluster;
+- `simulated_steps`: the same steps as the step model draws them;
+- `anatomy`: the data behind the page with sliders;
+- `ring_figure`, `drawings`: schematics no trace can show;
+- `tensorboard_screenshot`: TensorBoard over traced runs.
+
+They use the tools (`profiling.compare`, `profiling.cluster`, ...) and the simulator;
+nothing below imports them."""
