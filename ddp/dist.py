@@ -77,11 +77,12 @@ def import_dynamo_first() -> None:
     """Import torch._dynamo now, before the group exists.
 
     The optimizer's first step imports it lazily, and importing it while a process group
-    exists leaves references to the group inside torch (10, by sys.getrefcount) that
-    destroy_process_group does not drop. The group then outlives teardown, and Gloo's
-    threads (`gloo_tcp_loop`, `pt_gloo_runloop`) run on into interpreter shutdown, where
-    about one exit in 500 aborted ("terminate called without an active exception").
-    Imported first, it holds nothing, and teardown ends every Gloo thread."""
+    exists leaves references to the group inside torch that destroy_process_group does
+    not drop. The group then outlives teardown, and Gloo's threads (`gloo_tcp_loop`,
+    `pt_gloo_runloop`) run on into interpreter shutdown, where they can abort the
+    process ("terminate called without an active exception"; how often, and how it was
+    found: docs/when-a-rank-dies.md). Imported first, it holds nothing, and teardown
+    ends every Gloo thread."""
     import torch._dynamo  # noqa: F401
 
 

@@ -9,11 +9,10 @@ than its trim threshold (128 KiB) lies free there. Each time it frees a mapped b
 larger than the mmap threshold but of at most 32 MiB (on 64 bits), it raises both: the
 mmap threshold to that block's size, the trim threshold to twice that. Memory handed
 back is page-faulted in again, zeroed, when the next step allocates it. So the same
-step costs more or less by what the process happened to free before: the CNN
-(batch 8) on 2 ranks sharing 2 cores took 45 ms a step in a fresh process and 38 ms
-once one 16 MiB tensor had been freed; with only the mmap threshold pinned, trimming
-between steps left it at 40-44 ms. Pinning both where glibc's own rule ends takes that
-history out.
+step costs more or less by what the process happened to free before, and pinning the
+mmap threshold alone still leaves the trimming between steps. Pinning both where
+glibc's own rule ends takes that history out (the measurements:
+docs/appendix/notes.md, "A steady heap").
 
 Elsewhere (macOS, musl) the C library has its own rules and this does nothing. Not
 used by `profiling.studies.grad_view_memory`, whose figure is the peak memory that this would hold.

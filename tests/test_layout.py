@@ -1,7 +1,11 @@
-"""The project's layout, read from its source: `ddp` below `stages` below `profiling`; no
-module that imports one which imports it back, by any path (every import counts: at the
-top, inside a function, or under `TYPE_CHECKING`, since each is a dependency a reader
-must hold in mind); and no file in `profiling/` longer than a reader takes in at once."""
+"""The project's layout, read from its source: `ddp` below `stages` below `profiling`, and
+inside `profiling` its groups in order (what every group uses, the tools, the simulator,
+the course and the studies), the simulator's core importing neither its checks nor
+`stages`; no module that imports one which imports it back, by any path (every import
+counts: at the top, inside a function, or under `TYPE_CHECKING`, since each is a
+dependency a reader must hold in mind); imports at the top of modules, a local one only
+with its reason; no two modules of one name unless they play one role in parallel
+packages; and no file in `profiling/` longer than a reader takes in at once."""
 
 from __future__ import annotations
 
@@ -10,6 +14,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("ddp", "stages", "profiling")  # each may import only the ones before it
+
+# profiling's groups, lowest first: a module may import its own rank and those below.
+PROFILING_RANKS = {
+    "profiling.analysis": 0,  # reading traces
+    "profiling.common": 0,  # what every group writes and draws with
+    "profiling.compare": 1,  # the tools the README runs
+    "profiling.bench": 1,
+    "profiling.overhead": 1,
+    "profiling.cluster": 1,
+    "profiling.collectives": 1,
+    "profiling.simulate": 2,  # the simulator wing
+    "profiling.course": 3,  # the course's figure makers
+    "profiling.studies": 3,  # the studies behind the docs
+}
+# The simulator's checks of its model, and its command line, which names them all.
+SIMULATOR_EXTENSIONS = ("profiling.simulate.cpu_cluster", "profiling.simulate.published")
+SIMULATOR_ENTRIES = ("profiling.simulate.cli", "profiling.simulate.__main__")
+# Names that several packages share because each plays that one role in its package.
+SHARED_ROLES = {
+    "__init__": "a package",
+    "__main__": "a package's `python -m` entry",
+    "cli": "a package's command line",
+    "output": "what a tool's run prints and writes (bench, collectives)",
+    "worker": "what each rank runs under torchrun (collectives, simulate.cpu_cluster)",
+}
+LOCAL_IMPORTS_MAX = 30  # imports inside functions in profiling/, each with its reason
 
 
 def modules() -> dict[str, Path]:
@@ -90,6 +120,112 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert wrong == []
 
 
+def group_of(module: str) -> str | None:
+    for group in sorted(PROFILING_RANKS, key=len, reverse=True):
+        if module == group or module.startswith(group + "."):
+            return group
+    return None
+
+
+def profiling_layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Every import in profiling/ that points up its groups, or out of the simulator's core
+    into its checks or `stages`."""
+    wrong = []
+    for module, deps in graph.items():
+        if not module.startswith("profiling."):
+            continue
+        group = group_of(module)
+        if group is None:
+            wrong.append(f"{module} is in no group of profiling")
+            continue
+        core = group == "profiling.simulate" and not module.startswith(
+            SIMULATOR_EXTENSIONS + SIMULATOR_ENTRIES
+        )
+        for dep in deps:
+            dep_group = group_of(dep)
+            if dep_group and PROFILING_RANKS[dep_group] > PROFILING_RANKS[group]:
+                wrong.append(f"{module} imports {dep}, a higher group")
+            if core and (dep.startswith(SIMULATOR_EXTENSIONS + SIMULATOR_ENTRIES)
+                         or dep.split(".")[0] == "stages"):  # fmt: skip
+                wrong.append(f"{module} (the simulator's core) imports {dep}")
+    return sorted(wrong)
+
+
+def test_profilings_groups_import_only_their_rank_and_below():
+    assert profiling_layer_breaches(import_graph()) == []
+
+
+def test_a_breach_of_profilings_groups_is_found():
+    graph = import_graph()
+    before = set(profiling_layer_breaches(graph))
+    graph["profiling.bench.records"] = graph["profiling.bench.records"] | {"profiling.course"}
+    graph["profiling.simulate.schedule"] = graph["profiling.simulate.schedule"] | {
+        "profiling.simulate.published.terms", "stages.drop_in"}  # fmt: skip
+    assert sorted(set(profiling_layer_breaches(graph)) - before) == [
+        "profiling.bench.records imports profiling.course, a higher group",
+        "profiling.simulate.schedule (the simulator's core) imports "
+        "profiling.simulate.published.terms",
+        "profiling.simulate.schedule (the simulator's core) imports stages.drop_in",
+    ]
+
+
+def test_profilings_top_level_is_its_tools_and_groups_each_with_its_role():
+    entries = {p.stem for p in (ROOT / "profiling").iterdir()
+               if p.suffix == ".py" or any(p.rglob("*.py"))}  # fmt: skip
+    tops = {group.split(".")[1] for group in PROFILING_RANKS}
+    assert entries - {"__init__"} == tops
+    roles = ast.get_docstring(ast.parse((ROOT / "profiling" / "__init__.py").read_text()))
+    assert [top for top in sorted(tops) if f"`{top}`" not in roles] == []
+    for path in (ROOT / "profiling").rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{path} says not what it is for"
+
+
+def shared_names() -> dict[str, list[str]]:
+    """Base names of more than one module in ddp/, stages/, profiling/ and tests/, less the
+    names of one role in parallel packages."""
+    seen: dict[str, list[str]] = {}
+    for top in (*LAYERS, "tests", "docs"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    return {n: paths for n, paths in seen.items() if len(paths) > 1 and n not in SHARED_ROLES}
+
+
+def test_no_two_modules_share_a_name_unless_they_share_a_role():
+    assert shared_names() == {}
+
+
+def local_imports(path: Path) -> list[tuple[int, bool]]:
+    """(line, whether a comment says why) for each import inside a function. The reason is
+    a comment on the import's line or on the lines just above it."""
+    lines = path.read_text().splitlines()
+    out = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    above = lines[inner.lineno - 2].strip() if inner.lineno > 1 else ""
+                    said = "#" in lines[inner.lineno - 1] or above.startswith("#")
+                    out.append((inner.lineno, said))
+    return out
+
+
+def test_imports_sit_at_the_top_of_profilings_modules_a_local_one_with_its_reason():
+    found = {f"{p.relative_to(ROOT)}:{line}": said
+             for p in sorted((ROOT / "profiling").rglob("*.py"))
+             for line, said in local_imports(p)}  # fmt: skip
+    assert [where for where, said in found.items() if not said] == []
+    assert len(found) <= LOCAL_IMPORTS_MAX, sorted(found)
+
+
+def test_a_local_import_without_its_reason_is_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import os\n\n\ndef f():\n    import json\n\n    # optional: absent on CPU\n"
+        "    import missing\n    return json, missing, os\n"
+    )
+    assert local_imports(path) == [(5, False), (8, True)]
+
+
 def test_no_file_in_profiling_is_over_500_lines():
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
              for p in (ROOT / "profiling").rglob("*.py")}  # fmt: skip
@@ -101,3 +237,10 @@ def test_a_cycle_is_found_by_hand():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_readmes_map_names_every_group_of_profiling():
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `profiling/` |"))  # fmt: skip
+    tops = sorted({group.split(".")[1] for group in PROFILING_RANKS})
+    assert [top for top in tops if f"`{top}`" not in row] == []
