@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+
 from profiling.analysis import (
     COMPUTE_ONLY,
     COMPUTE_ONLY_AGAIN,
@@ -64,6 +66,8 @@ from profiling.analysis import (
     rank_average,
     read_logdir,
 )
+from profiling.cluster.network import available, parse_rate
+from profiling.cluster.virtual_cluster import VirtualCluster
 from profiling.common import report
 from profiling.common.charts import breakdown_title, plot_breakdown, plot_timeline
 
@@ -281,8 +285,6 @@ def torchrun(nproc: int, job: list[str]) -> list[str]:
 
 def check_network(network: str) -> None:
     """Refuse, naming --network, a rate tc cannot read or a machine without namespaces."""
-    from profiling.cluster.network import available, parse_rate
-
     try:
         parse_rate(network)
     except ValueError as e:
@@ -307,8 +309,6 @@ def launcher(nproc: int, network: str) -> Iterator[Callable[[list[str], dict, st
 
         yield run
         return
-    from profiling.cluster.virtual_cluster import VirtualCluster
-
     check_network(network)
     with VirtualCluster(ranks=nproc, rate=network) as cluster:
 
@@ -438,8 +438,6 @@ def write_csv(path: Path, rows: list[RunSummary], results: list[RankResult]) -> 
 def write_scalars(logdir: Path, results: list[RankResult]) -> None:
     """Per traced step, beside the loop's scalars, so TensorBoard shows the exposed
     communication next to the step time of the same run and rank."""
-    from torch.utils.tensorboard import SummaryWriter
-
     # The baseline the table subtracts: exposed = median step - exposed_ms, per rank.
     floor = {r.rank: r.median.step_ms - r.exposed_ms for r in results if r.run == COMPUTE_ONLY
              and r.exposed_ms is not None}  # fmt: skip

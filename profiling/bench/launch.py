@@ -14,6 +14,8 @@ from pathlib import Path
 from profiling.bench.options import BenchOptions, parse_options
 from profiling.bench.output import write_outputs
 from profiling.bench.rounds import run_worker
+from profiling.cluster.network import available
+from profiling.cluster.virtual_cluster import VirtualCluster
 from profiling.common.report import command_line, read_json
 
 
@@ -39,12 +41,7 @@ def launch(opts: BenchOptions, argv: list[str]) -> int:
     # (BENCH_COMMAND), and the network they run on (BENCH_NETWORK): see records.py.
     env = {"BENCH_COMMAND": command_line("profiling.bench", argv, python=shlex.quote(python))}
     worker_args = ["-m", "profiling.bench", *_without(argv, "--nproc", "--network")]
-    if opts.plot:
-        import matplotlib  # noqa: F401  fail now, not after minutes of benchmarking
     if opts.network != "loopback":
-        from profiling.cluster.network import available
-        from profiling.cluster.virtual_cluster import VirtualCluster
-
         ok, why = available()
         if ok:
             with VirtualCluster(ranks=opts.nproc, rate=opts.network) as cluster:

@@ -15,6 +15,7 @@ from ddp.config import (
     check_not_applicable,
     option,
 )
+from profiling.cluster.network import parse_rate
 
 REFERENCE = "torch_ddp"
 FLOOR = "compute_only"
@@ -119,8 +120,6 @@ def parse_options(argv: list[str]) -> tuple[BenchOptions, Config]:
         parser.error("--bucket-cap-mb auto: every variant here takes MiB; the automatic "
                      "bucket size is the drop_in_auto variant")  # fmt: skip
     if opts.network != "loopback":
-        from profiling.cluster.network import parse_rate
-
         try:
             parse_rate(opts.network)
         except ValueError as error:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from profiling.bench.options import COMM, FLOOR, REFERENCE
 from profiling.bench.records import network_label
 
@@ -18,11 +21,7 @@ def plot(records: list[dict], path: str) -> None:
     """One panel per workload: horizontal bars (median, whiskers min to max) against
     the bound, or for a sweep, each training variant's median against the swept value
     with its p25-p75 band, the bound and compute_only."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sweeps = all("sweep" in r["settings"] for r in records)
     ncols = min(len(records), 2) if sweeps else 1
     nrows = -(-len(records) // ncols)

@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 import statistics
 
+import torch
+import torch.distributed as dist
+
+from ddp.dist import slowest_seconds
+
 PROBE_PREFIX = "PROBE_RESULT "
 
 
@@ -14,11 +19,6 @@ def probe_worker(megabytes: float, iterations: int) -> None:
     after one untimed warm-up; each time is the slowest rank's, from a barrier. Rank 0
     prints one line: PROBE_RESULT {json}, with MB/s = tensor bytes / median time (Gloo
     all-reduce bandwidth; nccl-tests call it "algbw")."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.dist import slowest_seconds
-
     dist.init_process_group("gloo")
     try:
         numel = int(megabytes * 1e6) // 4  # float32

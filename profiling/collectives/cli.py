@@ -9,11 +9,14 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ddp.collectives import ALGORITHMS
+from profiling.cluster.network import available
+from profiling.cluster.virtual_cluster import VirtualCluster
 from profiling.collectives import output
 from profiling.collectives.worker import GLOO
 from profiling.common.report import command_line, load_average, machine, read_json, write_json
@@ -94,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         runs = read_json(args.render, "profiling.collectives", "runs")["runs"]
         return _write(runs, args)
-    if args.plot:
-        import matplotlib  # noqa: F401  fail now, not after minutes of measuring
     python = sys.executable
     if Path(python).is_relative_to(Path.cwd()):
         python = os.path.relpath(python)  # `.venv/bin/python`, as typed
@@ -130,17 +131,12 @@ def _run_world(world_size: int, network: str, settings: dict, timeout: float) ->
         env = {"COLLECTIVES_SETTINGS": json.dumps({**settings, "out": str(out)})}
         worker = ["-m", "profiling.collectives.worker"]
         if network == "loopback":
-            import subprocess
-
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={world_size}", *worker]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
             code = subprocess.run(torchrun, env=env, timeout=timeout).returncode
             net = {"rate": "loopback"}
         else:
-            from profiling.cluster.network import available
-            from profiling.cluster.virtual_cluster import VirtualCluster
-
             ok, why = available()
             if not ok:
                 raise SystemExit(f"profiling.collectives: no shaped network ({why}); "

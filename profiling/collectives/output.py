@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+from profiling.cluster.network import parse_rate
 from profiling.collectives import model
 from profiling.common import report
 from profiling.common.report import markdown_table, produced_by
@@ -244,8 +248,6 @@ def _prediction_table(analysis: dict) -> str:
 
 def _link_gbit(analysis: dict) -> float:
     """The measured runs' link rate in Gbit/s (1 for 1gbit)."""
-    from profiling.cluster.network import parse_rate
-
     rates = {r["network"] for r in analysis["rows"]} - {"loopback"}
     return parse_rate(rates.pop()) / 1e9 if len(rates) == 1 else 1.0
 
@@ -281,11 +283,7 @@ def plot(analysis: dict, path: str) -> None:
     """One panel per (delay, world size): each algorithm's median time against size on
     log-log axes (band: min to max), the fitted model dashed, each measured crossover
     with the ring marked."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, fits = analysis["rows"], analysis["fits"]
     keys = sorted({(r["delay_ms"], r["world_size"]) for r in rows})
     font = report.FIGURE_FONT_PT

@@ -7,6 +7,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
 from profiling.analysis import COMPUTE_ONLY, GLOO_LANE, RankResult, RunSummary, step_timeline
 from profiling.common import report
 
@@ -51,11 +56,7 @@ def breakdown_title(heading: str) -> str:
 
 def plot_breakdown(path: Path, rows: list[RunSummary], title: str) -> None:
     """One stacked bar per run; the segments add up to its step time."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     devices = {r.device for r in rows}
     device = devices.pop() if len(devices) == 1 else "mixed"
     font = report.FIGURE_FONT_PT
@@ -149,13 +150,7 @@ def plot_timeline(
 ) -> None:
     """The lanes of timeline_lanes, one run's lanes above the next; a black line under each
     run's last lane marks its step on the CPU (GPU work may run past it)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     lanes = timeline_lanes(traces, results, ranks)
     if not lanes:
         raise SystemExit(f"--timeline-ranks {ranks}: no such rank in the traces")

@@ -6,6 +6,7 @@ JSON file it goes to. Used by `profiling.bench`, `profiling.compare` and
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -13,6 +14,9 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+import torch
+from PIL import Image
 
 # Figures for the docs, legible at the docs' width (about 770 px): at most 8 in wide,
 # drawn at 160 dpi with 10 pt text, so text shows at about its size on the page.
@@ -25,10 +29,6 @@ def save_figure(fig, path: str | Path) -> None:
     """Write a matplotlib figure as a PNG at FIGURE_DPI. The image is reduced to a palette
     of 256 colours: flat fills and antialiased text lose nothing visible, and the file
     is about a third of the size, which a docs site of many figures feels."""
-    import io
-
-    from PIL import Image
-
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
     buffer.seek(0)
@@ -40,8 +40,6 @@ def save_figure(fig, path: str | Path) -> None:
 def machine() -> dict:
     """The machine and software a result was measured with: CPU model, cores (all, and
     those this process may use), torch's threads, versions, the date and the load."""
-    import torch  # here, not above: `--help` and trace analysis need no torch
-
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -30,7 +30,17 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+from ddp.config import Config
+from ddp.heap import steady_heap
+from profiling.common import report
+from profiling.simulate.cpu_cluster.inputs import measure_workload
+from profiling.simulate.layouts import uniform_buckets
+from profiling.simulate.outputs import repository_docs
 from profiling.simulate.schedule import (
+    Grad,
     Segment,
     StageSchedule,
     Step,
@@ -66,8 +76,6 @@ def layouts(workload: Workload) -> dict[str, list[list[int]]]:
     """naive's layout (one gradient per collective, parameter order, as it sends them),
     one gradient per bucket in the bucketed stages' reverse order, and theirs at each of
     CAPS_MB."""
-    from profiling.simulate.layouts import uniform_buckets
-
     n = len(workload.grads)
     return {
         "naive": [[i] for i in range(n)],
@@ -152,8 +160,6 @@ def model_json(model: dict, workload: Workload) -> dict:
 
 def from_json(data: dict) -> Workload:
     """One model's workload from the page's data (`data["models"][name]`)."""
-    from profiling.simulate.schedule import Grad
-
     grads = tuple(Grad(g["name"], g["bytes"], g["ready_s"]) for g in data["grads"])
     return Workload(grads, data["forward_s"], data["backward_s"], data["optimizer_s"])
 
@@ -167,13 +173,7 @@ def read_page_data(path: Path) -> dict:
 def draw_curve(workload: Workload, data: dict, path: Path) -> None:
     """Step time against bucket_cap_mb for bucketed and overlapped at 1 and 10 Gbit/s,
     with no per-message latency and with 2 ms: `workload` and its layouts in `data`."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, axes = plt.subplots(1, 2, figsize=(report.FIGURE_WIDTH_IN, 4.0))
     for ax, gbit in zip(axes, (1.0, 10.0), strict=True):
@@ -203,8 +203,6 @@ def draw_curve(workload: Workload, data: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from profiling.simulate.outputs import repository_docs
-
     parser = argparse.ArgumentParser(
         prog="python -m profiling.course.anatomy",
         description=__doc__.split("\n\n")[0],
@@ -227,10 +225,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_page:
         data = read_page_data(docs / "js" / "anatomy-workload.js")
     else:
-        from ddp.config import Config
-        from ddp.heap import steady_heap
-        from profiling.simulate.cpu_cluster.inputs import measure_workload
-
         print("measuring the MLPs' compute on one process ...", file=sys.stderr, flush=True)
         steady_heap()  # as the benchmark's ranks hold the heap
         data = to_json({name: measure_workload(Config(**m), RANKS) for name, m in MODELS.items()})

@@ -23,6 +23,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+from profiling.common import report
+
 COLOURS = {"compute": "#4c72b0", "comm": "#dd8452", "wait": "#c44e52", "status": "#55a868",
            "restart": "#cccccc", "checkpoint": "#8172b2"}  # fmt: skip
 
@@ -45,13 +50,7 @@ def two_ranks(ax, bars: list, title: str, width: float) -> None:
 
 
 def missing_gradient(path: Path) -> None:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(report.FIGURE_WIDTH_IN, 4.4))
     # (lane y, start, length, colour, label) in arbitrary time units
@@ -80,13 +79,7 @@ def missing_gradient(path: Path) -> None:
 
 
 def uneven_inputs(path: Path) -> None:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(report.FIGURE_WIDTH_IN, 4.0))
 
@@ -116,13 +109,7 @@ def uneven_inputs(path: Path) -> None:
 
 
 def kill_restart_resume(path: Path, steps: int = 20, every: int = 7, killed_at: int = 10) -> None:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, ax = plt.subplots(figsize=(report.FIGURE_WIDTH_IN, 2.6))
     last_checkpoint = killed_at // every * every

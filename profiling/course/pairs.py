@@ -26,6 +26,19 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+
+from ddp import comm_hook_functions
+from ddp.config import parse_config
+from ddp.dist import setup_process_group, teardown_process_group
+from ddp.train import train
+from profiling.analysis import analyse_runs, read_logdir, step_timeline
+from profiling.analysis.formats import complete_events, is_collective, span
+from profiling.analysis.trace import parse
+from profiling.common import report
+from profiling.common.charts import COLOURS
 from profiling.course.timelines import (
     FONT_PT,
     RATE,
@@ -34,6 +47,7 @@ from profiling.course.timelines import (
     WORKLOAD,
     save_lanes,
 )
+from stages import STAGES
 
 CNN = ["--model", "cnn", "--batch-size", "32"]
 
@@ -117,14 +131,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def trace(name: str, logdir: Path) -> None:
     """One rank of one variant: the main job's training loop, traced into logdir/<name>."""
-    import torch
-
-    from ddp import comm_hook_functions
-    from ddp.config import parse_config
-    from ddp.dist import setup_process_group, teardown_process_group
-    from ddp.train import train
-    from stages import STAGES
-
     v = VARIANTS[name]
     cfg = parse_config(
         [*WORKLOAD, *TRACING, *v.args, "--profile-dir", str(logdir)],
@@ -164,9 +170,6 @@ def run(logdir: Path) -> None:
 def collective_rows(trace: dict, step: int) -> list[list[tuple[float, float]]]:
     """Every collective in flight during `step`, in ms from the step's start, stacked into
     as few rows as keep each row's bars apart (two at once: two rows)."""
-    from profiling.analysis.formats import complete_events, is_collective, span
-    from profiling.analysis.trace import parse
-
     lo, hi = next(s.window for s in parse(trace).steps if s.number == step)
     rows: list[list[tuple[float, float]]] = []
     for start, end in sorted(span(e) for e in complete_events(trace) if is_collective(e)):
@@ -182,15 +185,7 @@ def collective_rows(trace: dict, step: int) -> list[list[tuple[float, float]]]:
 
 
 def draw(logdir: Path, out: Path) -> list[Path]:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.analysis import analyse_runs, read_logdir, step_timeline
-    from profiling.common import report
-    from profiling.common.charts import COLOURS
-
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     traces = read_logdir(logdir)
     missing = [v for v in VARIANTS if 0 not in traces.get(v, {})]

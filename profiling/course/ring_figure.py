@@ -15,6 +15,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+from profiling.common import report
+
 Held = list[list[frozenset[int]]]  # held[rank][chunk]: the ranks summed into it
 
 
@@ -39,14 +45,7 @@ def ring_steps(p: int) -> list[tuple[str, list[int], Held]]:
 def draw(p: int, path: Path) -> None:
     """One panel per step: ranks across, chunks down; a cell's shade and number are how
     many ranks it holds, an outlined cell is the one its rank sends to the right."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    from profiling.common import report
-
     steps = ring_steps(p)
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     cols = p  # start + (p - 1) reduce-scatter steps on the first row, all-gather below

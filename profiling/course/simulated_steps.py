@@ -15,12 +15,19 @@ one has 96 MiB) come from a validation's calibration on the same cluster (1 Gbit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from ddp.config import Config
+from ddp.heap import steady_heap
 from profiling.common.report import read_json
+from profiling.simulate import outputs
+from profiling.simulate.cpu_cluster.calibration import Calibration, calibration_path
+from profiling.simulate.cpu_cluster.inputs import measure_workload
+from profiling.simulate.cpu_cluster.predict import calibration_for, layout
 from profiling.simulate.gantt import draw
-from profiling.simulate.schedule import Step
+from profiling.simulate.schedule import Step, simulate
 
 MODEL = {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128}
 BUCKET_CAP_MB = 25.0  # the stages' default, as the traced runs used
@@ -37,11 +44,6 @@ CAPTIONS = {
 def simulate_stages(workload, calibration) -> dict[str, Step]:
     """Each of STAGES' simulated step on `workload` with `calibration`'s cost and
     slowdowns (the MLP's)."""
-    import dataclasses
-
-    from profiling.simulate.cpu_cluster.predict import layout
-    from profiling.simulate.schedule import simulate
-
     # Its copies and its call after backward too, where measured (both timed on the
     # validation's MLP, 1024 x 5, not on this trace's 2048 x 7).
     calibration = calibration.for_model("mlp")
@@ -69,8 +71,6 @@ def simulate_stages(workload, calibration) -> dict[str, Step]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     parser.add_argument(
@@ -84,13 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ddp.config import Config
-    from ddp.heap import steady_heap
-    from profiling.simulate import outputs
-    from profiling.simulate.cpu_cluster.calibration import Calibration, calibration_path
-    from profiling.simulate.cpu_cluster.inputs import measure_workload
-    from profiling.simulate.cpu_cluster.predict import calibration_for
-
     path = calibration_path(args.calibration)
     data = read_json(
         path, "profiling.course.simulated_steps", "calibrations", "profiling.simulate validate"

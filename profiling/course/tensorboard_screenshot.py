@@ -102,6 +102,7 @@ def launched_chromium(missing: Callable[[str], NoReturn] = refuse) -> Iterator:
     if executable is None:
         missing("Chromium not found: `apt-get install chromium` (make test does as root)")
     try:
+        # here: Playwright is optional (the test extras); the command says so when absent
         from playwright.sync_api import sync_playwright
     except ImportError:
         missing("Playwright not installed: pip install -e '.[test]'")

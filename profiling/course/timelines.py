@@ -24,6 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
 from profiling.analysis import analyse_runs, read_logdir, step_timeline
 from profiling.common import report
 from profiling.common.charts import COLOURS
@@ -84,10 +88,7 @@ def run(logdir: Path) -> None:
 
 
 def draw(logdir: Path, out: Path) -> list[Path]:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     traces = read_logdir(logdir)
     missing = [s for s in STAGES if s not in traces]
@@ -127,9 +128,6 @@ def draw(logdir: Path, out: Path) -> list[Path]:
 def save_lanes(fig, path: Path, communication: str) -> Path:
     """The lanes' legend under `fig` (the phases, and `communication` for its bars),
     then `fig` saved to `path` and closed."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     handles = [
         Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")
     ] + [Patch(color=COLOURS["gloo"], label=communication)]

@@ -76,6 +76,7 @@ from profiling.overhead.tables import (
     ranks,
     world_result,
 )
+from stages import STAGES, standard_runs
 
 SMALL = "small"  # the many-small-parameters model: the default workload
 LR = 1e-3  # small: the model changes little over a run, and nothing diverges
@@ -93,9 +94,7 @@ def build_model(blocks: int, width: int) -> nn.Module:
 
 
 def stage_names() -> list[str]:
-    """The stages, simplest first (imports every stage module)."""
-    from stages import STAGES
-
+    """The stages, simplest first."""
     return list(STAGES)
 
 
@@ -245,8 +244,6 @@ def variant_wraps(names: list[str]) -> dict[str, Wrap | None]:
     (`stages.standard_runs`: `ddp.train.stage_wrap`, `torch_ddp_wrap`); None for bare."""
     runs = {REFERENCE: torch_ddp_wrap}
     if any(n not in (BARE, REFERENCE) for n in names):
-        from stages import standard_runs
-
         runs = standard_runs()
     return {n: None if n == BARE else runs[n] for n in names}
 

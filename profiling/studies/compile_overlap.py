@@ -33,13 +33,20 @@ import statistics
 import time
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
 from ddp.dist import setup_process_group, teardown_process_group
+from stages.drop_in import DistributedDataParallel as DropInDDP
 
 VARIANTS = ("eager", "compiled, no cuts", "compiled, cut at buckets")
 
@@ -53,13 +60,7 @@ def _model(layers: int, width: int) -> nn.Module:
 
 def run_variant(variant: str, args: argparse.Namespace, out: Path) -> dict:
     """One variant's steps: graphs compiled, bucket launch shares of backward, step ms."""
-    import torch._dynamo
-    from torch._dynamo.backends.debugging import aot_eager
-
-    if args.ddp == "torch":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    else:
-        from stages.drop_in import DistributedDataParallel as DDP
+    DDP = TorchDDP if args.ddp == "torch" else DropInDDP
     graphs: list = []
 
     def counting_backend(graph_module, example_inputs):
@@ -125,7 +126,6 @@ def _time_launches(ddp: nn.Module, launches: list[float]) -> None:
 
         ddp._send = timed_send
     else:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         def timed_hook(group, bucket):
             launches.append(time.perf_counter())
@@ -136,11 +136,7 @@ def _time_launches(ddp: nn.Module, launches: list[float]) -> None:
 
 def figure(rows: list[dict], path: Path) -> None:
     """When the first and the last bucket left, as a share of backward, per variant."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(7, 2.4))
     for i, row in enumerate(reversed(rows)):
         ax.barh(i, 1.0, color="#dddddd", height=0.5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sklearn.datasets import make_classification
 from torch.utils.data import DistributedSampler, TensorDataset
 
 
@@ -35,8 +36,6 @@ def classification_data(
     seed: int = 0,
 ) -> Split:
     """make_classification, standardised with the training split's mean and std."""
-    from sklearn.datasets import make_classification
-
     x, y = make_classification(
         n_samples=train_samples + val_samples,
         n_features=features,

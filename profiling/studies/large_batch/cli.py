@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp.dist import setup_process_group
 from profiling.common.report import command_line, machine, read_json, write_json
 from profiling.studies.large_batch.experiment import Run, run_all
 from profiling.studies.large_batch.results import markdown, plot, summarise
@@ -24,8 +25,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
-        from ddp.dist import setup_process_group
-
         setup_process_group("gloo")
         s = dataclasses.replace(s, jobs=1)  # the ranks are the parallelism
     rank = dist.get_rank() if distributed else 0

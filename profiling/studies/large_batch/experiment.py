@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing as mp
 import time
 from contextlib import nullcontext
 
@@ -26,6 +27,7 @@ from profiling.studies.large_batch.classification_data import (
 from profiling.studies.large_batch.lr import large_batch_schedule, linear_scaled_lr
 from profiling.studies.large_batch.param_groups import no_decay_param_groups
 from profiling.studies.large_batch.settings import Run, Settings
+from stages import STAGES
 
 
 class BatchNormMLP(nn.Module):
@@ -106,8 +108,6 @@ def train_run(
     model, optimizer, scheduler, lr, iters = build(s, data, workers, variant, seed)
     wrapped = model
     if distributed:
-        from stages import STAGES
-
         wrapped = STAGES["skip_sync"](
             model, process_group=process_group
         )  # also broadcasts rank 0's initial weights
@@ -223,8 +223,6 @@ def run_all(s: Settings) -> list[Run]:
     # the same work, so epochs measure what is left.
     progress = Progress(len(jobs), len(jobs) * s.epochs)
     if s.jobs > 1 and not distributed:
-        import multiprocessing as mp
-
         # One thread per job: each micro-batch is too small to gain from intra-op threads.
         with mp.get_context("spawn").Pool(
             s.jobs, initializer=torch.set_num_threads, initargs=(1,)

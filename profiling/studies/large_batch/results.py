@@ -8,6 +8,9 @@ import platform
 import statistics
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from profiling.common import report
 from profiling.common.report import machine, markdown_table, produced_by
 from profiling.studies.large_batch.experiment import Run
@@ -64,11 +67,7 @@ def markdown(s: Settings, table: dict, runs: list[Run], wall_s: float, command: 
 
 
 def plot(s: Settings, table: dict, runs: list[Run], prefix: str) -> list[Path]:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     paths = [Path(f"{prefix}-error.png"), Path(f"{prefix}-curves.png")]
 
