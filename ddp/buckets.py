@@ -9,6 +9,11 @@ from torch import nn
 
 from ddp.spans import allreduce_span
 
+# The uniform caps worth trying, MiB (1e6: one bucket): what the automatic stage
+# (`stages.auto_bucket`) tries, and the simulator (`profiling.simulate`) and the course
+# set against torch's default. Here, with the layout rule, so all read one list.
+CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)
+
 
 @dataclass
 class Bucket:

@@ -49,17 +49,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.bucket_cuts import ROUNDING, bucket_bytes, linear_cost, plan_cut, served_in_order
-from ddp.buckets import Members, plan_buckets
+from ddp.buckets import CANDIDATES_MB, Members, plan_buckets
 from ddp.clock import DeviceClock, Mark
 from stages.join import JoinDDP
 
-CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 1e6)  # 1e6: one bucket
+# The candidate uniform caps (CANDIDATES_MB, imported above) live in `ddp.buckets`, beside
+# the layout rule, so that the simulator's core can read them without importing a stage.
 NEAR_TIE = 0.01  # layouts predicted within 1% of the best are ties: the fewest buckets win
 TRIAL_ROUNDS = 5  # rounds of trial steps at least: every layout on trial, one timed step each
 # Short steps are noisy and cheap: rounds are added until the trial's steps take about
-# this many seconds (at the step time measured before it), up to MAX_TRIAL_ROUNDS. On
-# two shared cores a 7 ms step ranged 3-12 ms from one step to the next: over three
-# trials, a layout's median of 20 ranged 6.0-9.7 ms.
+# this many seconds (at the step time measured before it), up to MAX_TRIAL_ROUNDS: a
+# median of a few short steps cannot tell layouts apart (the trials behind it:
+# docs/stages/auto_bucket.md, "The trial: measured steps decide").
 TRIAL_SECONDS = 10.0
 MAX_TRIAL_ROUNDS = 200
 # Layouts measured within this fraction of the fastest are ties the trial cannot split

@@ -228,15 +228,15 @@ def test_the_simulator_reads_in_one_sitting():
 
 
 def test_every_package_is_installed():
-    # A non-editable install holds only the packages pyproject.toml lists.
+    # A non-editable install holds only the packages pyproject.toml's find includes.
     from pathlib import Path
 
     import tomllib
+    from setuptools import find_packages
 
     root = Path(__file__).resolve().parents[1]
-    listed = set(
-        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(find_packages(where=root, include=config["packages"]["find"]["include"]))
     found = {
         ".".join(p.parent.relative_to(root).parts)
         for top in ("ddp", "stages", "profiling")

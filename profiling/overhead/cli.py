@@ -36,7 +36,7 @@ the same round (median and range), which is what a GPU user pays. With the defau
 both world sizes take about 1-2 minutes on 2 cores. Nothing is written but --json and --markdown.
 
 On a GPU (--backend nccl, one GPU per rank), --model resnet50 or gpt2_small times
-models of those sizes (`profiling.common.models`) instead: there a wrapper's CPU time
+models of those sizes (`profiling.common.sized_models`) instead: there a wrapper's CPU time
 hides behind the GPU's work unless it delays the kernels, and the step ratio says
 whether it does. A block is timed from a synchronised GPU to a synchronised GPU.
 """
@@ -66,8 +66,8 @@ from ddp.dist import replicas_identical, setup_process_group, teardown_process_g
 from ddp.heap import steady_heap
 from ddp.progress import Progress
 from ddp.train import Wrap, torch_ddp_wrap
-from profiling.common.models import SIZED, example_batch, loss_of
 from profiling.common.report import command_line, load_average, machine, write_json
+from profiling.common.sized_models import SIZED, example_batch, loss_of
 from profiling.overhead.tables import (
     BARE,
     REFERENCE,

@@ -6,7 +6,7 @@
 For `--model` (a preset or yours, `usermodel`) on a cluster (`clusters`), at each of
 --gpus: the step of torch's DDP at its default layout (`layouts.torch_buckets`: 25 MiB
 after a 1 MiB first bucket) and of the stages' layout at each cap the automatic stage
-tries (`stages.auto_bucket.CANDIDATES_MB`), both rebuilt in ready order as they are
+tries (`ddp.buckets.CANDIDATES_MB`), both rebuilt in ready order as they are
 after the first step, overlapped; the fastest cap and its gain. The same question on
 the virtual CPU cluster, for some MLPs: `python -m profiling.simulate.cpu_cluster buckets`.
 """
@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from profiling.simulate.schedule import Workload
+from ddp.buckets import CANDIDATES_MB
+from profiling.common.report import command_line, markdown_table, produced_by
+from profiling.simulate import clusters, model_args, outputs
+from profiling.simulate.layouts import torch_buckets, uniform_buckets
+from profiling.simulate.scale import _numbers
+from profiling.simulate.schedule import StageSchedule, Workload, simulate
+from profiling.simulate.topology import cost_model
 
 
 # --8<-- [start:on_cluster]
@@ -28,10 +32,6 @@ def caps_on_cluster(
 ) -> list[dict]:
     """At each GPU count: torch's default layout's step, each cap's, the fastest cap (of
     caps that build the same layout, the largest) and its gain in percent of torch's."""
-    from profiling.simulate.layouts import torch_buckets, uniform_buckets
-    from profiling.simulate.schedule import StageSchedule, simulate
-    from profiling.simulate.topology import cost_model
-
     layouts = {cap: uniform_buckets(workload, cap, ready_order=True) for cap in caps_mb}
     default = torch_buckets(workload)
     rows = []
@@ -56,8 +56,6 @@ def caps_on_cluster(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, model_args, outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     model_args.add_arguments(parser)
@@ -72,11 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """The table of `caps_on_cluster`, its assumptions first."""
-    from profiling.common.report import command_line, markdown_table, produced_by
-    from profiling.simulate import clusters, model_args, outputs
-    from profiling.simulate.scale import _numbers
-    from stages.auto_bucket import CANDIDATES_MB
-
     try:
         cluster, custom = clusters.from_args(args)
         gpus = _numbers(args.gpus, "gpus", int)

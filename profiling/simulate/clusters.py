@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
+from profiling.simulate.presets import MODELS
 from profiling.simulate.topology import ALGORITHMS, GB, GBIT, Topology
 
 # NCCL 2.20.3's latency model, src/graph/tuning.cc (NVIDIA/nccl, version.mk 2.20.3),
@@ -176,8 +177,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> tuple[Cluster, bool]:
     """The preset with every flag given replacing its value (its source: the flag), and
     whether any did."""
-    from profiling.simulate.presets import MODELS
-
     if args.cluster is None:  # a preset's model: the GPU its published timing is of
         args.cluster = "li2020" if getattr(args, "model", None) in MODELS else "dgx_a100"
     base = cluster(args.cluster)

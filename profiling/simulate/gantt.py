@@ -14,7 +14,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from profiling.simulate.schedule import Step
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from profiling.common.charts import COLOURS
+from profiling.simulate import clusters, model_args, outputs
+from profiling.simulate.layouts import uniform_buckets
+from profiling.simulate.schedule import StageSchedule, Step, simulate
+from profiling.simulate.topology import cost_model
 
 WIDTH_IN = 8.0  # as the traced timelines: the docs' content column
 FONT_PT = 10
@@ -23,14 +31,7 @@ COPY_COLOUR = "#9e9e9e"  # the stage moving gradients into and out of its bucket
 
 def draw(step: Step, caption: str, path: Path) -> None:
     """Two lanes, compute and communication, in ms from the step's start."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    from profiling.common.charts import COLOURS
-
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.6))
     colours = {**COLOURS, "copy": COPY_COLOUR}
@@ -62,8 +63,6 @@ def draw(step: Step, caption: str, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, model_args, outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     model_args.add_arguments(parser)
@@ -75,11 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """One overlapped step at --gpus, drawn, its assumptions printed."""
-    from profiling.simulate import clusters, model_args, outputs
-    from profiling.simulate.layouts import uniform_buckets
-    from profiling.simulate.schedule import StageSchedule, simulate
-    from profiling.simulate.topology import cost_model
-
     try:
         cluster, custom = clusters.from_args(args)
         topo = cluster.topology.with_gpus(args.gpus)

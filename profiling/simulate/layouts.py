@@ -5,6 +5,7 @@ memory."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp.buckets import plan_buckets
@@ -58,8 +59,6 @@ def torch_buckets(
     ready order, cut by torch's own `_compute_bucket_assignment_by_size`. torch adds a
     gradient and then closes the bucket once it reaches its cap, so a bucket can pass
     the cap by one gradient; `plan_buckets` closes it before a gradient would."""
-    import torch.distributed as dist
-
     named = stand_ins(workload)
     order = sorted(range(len(named)), key=lambda i: workload.grads[i].ready_s)
     buckets, _ = dist._compute_bucket_assignment_by_size(

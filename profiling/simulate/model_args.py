@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from profiling.simulate import presets
 from profiling.simulate.usermodel import (
     DTYPE_BYTES,
     MEASURE_BATCH,
@@ -20,8 +23,6 @@ from profiling.simulate.usermodel import (
 
 
 def add_arguments(parser: argparse.ArgumentParser, default: str | None = "resnet50") -> None:
-    from profiling.simulate import presets
-
     add = parser.add_argument_group("model (a preset, or yours: MODULE:FACTORY)").add_argument
     # fmt: off
     add("--model", default=default, metavar="PRESET|MODULE:FACTORY",
@@ -47,10 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser, default: str | None = "resnet
 def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
     """(Workload, lines describing it with their sources, settings for the JSON) of
     `--model` on one `gpu`."""
-    import torch
-
-    from profiling.simulate import presets
-
     for flag in ("batch_size", "iteration_ms"):
         value = getattr(args, flag)
         if value is not None and not value > 0:

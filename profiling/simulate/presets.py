@@ -18,97 +18,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ResNet-50 and ResNet-101 (torchvision's definition, with device and depth) live in
+# `profiling.common.sized_models`; imported here so that `--model
+# profiling.simulate.presets:resnet50` (and `:resnet101`) name them, as docs and tests do.
+from profiling.common.sized_models import resnet50 as resnet50
+from profiling.common.sized_models import resnet101 as resnet101
+from profiling.simulate import usermodel
+from profiling.simulate.schedule import Workload
 from profiling.simulate.topology import GB
-
-if TYPE_CHECKING:
-    from profiling.simulate.schedule import Workload
-    from profiling.simulate.usermodel import Profile
+from profiling.simulate.usermodel import Profile
 
 FLOAT32_BYTES = 4  # both papers' gradients: float32 (DDP all-reduces the .grad dtype)
-
-
-# ---------------------------------------------------------------------------------------
-# ResNet-50: torchvision's definition (v1.5: the stride on the 3x3 convolution), written
-# in plain torch because torchvision's wheels on the package index are CUDA builds. The
-# parameter names are torchvision's; tests/test_simulate_presets.py checks the count
-# against torchvision's documented 25,557,032 and the FLOP counter's against its 4.09
-# GFLOPS (torchvision's model table counts multiply-adds, as "GFLOPS").
-
-
-RESNET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
-
-
-def resnet101(device: str | None = None):
-    """torchvision.models.resnet101(), untrained, built on `device` (by default, torch's
-    default device: a factory for `--model profiling.simulate.presets:resnet101`)."""
-    return resnet50(device, depth=101)
-
-
-def resnet50(
-    device: str | None = None, depth: int = 50, groups: int = 1, width_per_group: int = 64
-):
-    """torchvision.models.resnet50() (or resnet101, resnet152 by `depth`; ResNeXt by
-    `groups` and `width_per_group`, as torchvision's), untrained, built on `device` (by
-    default, torch's default device; meta: shapes only)."""
-    import torch
-    from torch import nn
-
-    class Bottleneck(nn.Module):
-        def __init__(self, cin: int, planes: int, stride: int):
-            super().__init__()
-            cout = planes * 4
-            width = int(planes * width_per_group / 64) * groups  # torchvision's rule
-            self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False)
-            self.bn2 = nn.BatchNorm2d(width)
-            self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
-            self.bn3 = nn.BatchNorm2d(cout)
-            self.relu = nn.ReLU()
-            self.downsample = None
-            if stride != 1 or cin != cout:
-                self.downsample = nn.Sequential(
-                    nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-                )
-
-        def forward(self, x):
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.relu(self.bn2(self.conv2(out)))
-            out = self.bn3(self.conv3(out))
-            identity = x if self.downsample is None else self.downsample(x)
-            return self.relu(out + identity)
-
-    class ResNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-            self.bn1 = nn.BatchNorm2d(64)
-            self.relu = nn.ReLU()
-            self.maxpool = nn.MaxPool2d(3, 2, 1)
-            cin = 64
-            widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
-            for i, (width, blocks, stride) in enumerate(
-                zip(widths, RESNET_BLOCKS[depth], strides, strict=True), start=1
-            ):
-                layer = []
-                for b in range(blocks):
-                    layer.append(Bottleneck(cin, width, stride if b == 0 else 1))
-                    cin = width * 4
-                setattr(self, f"layer{i}", nn.Sequential(*layer))
-            self.avgpool = nn.AdaptiveAvgPool2d(1)
-            self.fc = nn.Linear(2048, 1000)
-
-        def forward(self, x):
-            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-            return self.fc(torch.flatten(self.avgpool(x), 1))
-
-    if device is None:
-        return ResNet()
-    with torch.device(device):
-        return ResNet()
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,10 +61,6 @@ def bert_large(cfg: BertConfig = BertConfig(), device: str | None = None):
     with Hugging Face's `BertForPreTraining` parameter names, for timing its backward
     (`profiling.simulate.shape`). Dropout 0.1 and GELU as the released configuration;
     attention by `F.scaled_dot_product_attention`, no padding mask."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
     h, drop = cfg.hidden, 0.1
 
     def block(**modules: nn.Module) -> nn.Module:  # a module that only names its children
@@ -230,8 +151,6 @@ OPTIMIZERS = {"resnet50": "sgd", "bert_large": "adam"}  # as COMPUTE costs them
 @cache  # frozen: every caller gets the same
 def profile(model: str) -> Profile:
     """The preset's gradients and backward's shape by FLOPs, on the meta device."""
-    from profiling.simulate import usermodel
-
     return usermodel.profile(*FACTORIES[model])
 
 
@@ -300,8 +219,6 @@ def workload(
     """One iteration of `model` on one `gpu`, as `schedule.simulate` takes it: the
     published `compute` (or the one given), the optimizer at the GPU's memory bandwidth
     (or the one given), split by FLOPs or as `split` says (`shape.split`: measured)."""
-    from profiling.simulate import usermodel
-
     if model not in MODELS:
         raise ValueError(f"no model preset {model!r}; pick one of {', '.join(MODELS)}")
     if compute is None and (model, gpu) not in COMPUTE:

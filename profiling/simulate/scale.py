@@ -31,8 +31,17 @@ Writes a results JSON, a Markdown fragment and a figure under runs/simulate/ (or
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+from profiling.common import report
+from profiling.common.report import markdown_table, produced_by
+from profiling.simulate import clusters, model_args, outputs
+from profiling.simulate.layouts import uniform_buckets
 from profiling.simulate.schedule import Sharing, StageSchedule, Workload, simulate
+from profiling.simulate.topology import cost_model
 
 DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
 DEFAULT_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]
@@ -40,8 +49,6 @@ PER_PARAMETER, ONE_BUCKET = "per parameter", "one bucket"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import clusters, model_args, outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     model_args.add_arguments(parser)
@@ -72,8 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def layouts(workload: Workload, caps_mb: list[float]) -> dict[str, list[list[int]]]:
     """Bucket layouts by label: one per parameter, each cap's, one bucket; all in
     reverse parameter order, as the stages build them."""
-    from profiling.simulate.layouts import uniform_buckets
-
     last_first = list(reversed(range(len(workload.grads))))
     out = {PER_PARAMETER: [[i] for i in last_first]}
     for cap in caps_mb:
@@ -101,8 +106,6 @@ def sweep(
     slowdown: float = 0.0,
 ) -> dict:
     """E(p) at `bucket_cap_mb` and the bucket-size curve at every p in `gpus`."""
-    from profiling.simulate.topology import cost_model
-
     shapes = layouts(workload, sorted(set(caps_mb) | {bucket_cap_mb}))
     curve, scaling = [], []
     for p in gpus:
@@ -152,11 +155,6 @@ def _numbers(text: str, name: str, kind=float) -> list:
 
 
 def run(args: argparse.Namespace) -> None:
-    from dataclasses import asdict
-
-    from profiling.common import report
-    from profiling.simulate import clusters, model_args, outputs
-
     gpus = _numbers(args.gpus, "gpus", int)
     caps = _numbers(args.bucket_caps, "bucket-caps")
     try:
@@ -258,8 +256,6 @@ def _layout_label(layout: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    from profiling.common.report import markdown_table, produced_by
-
     s = result["settings"]
     out = [produced_by([s["command"]]), "", "```text", *s["assumptions"], "```", ""]
     out.append(
@@ -294,13 +290,7 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     """Left: E(p) against GPUs. Right: step time against the bucket layout, one line per
     GPU count, one bucket per parameter at the left end and a single bucket at the right."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     font = report.FIGURE_FONT_PT
     plt.rcParams.update({"font.size": font})
     s = result["settings"]

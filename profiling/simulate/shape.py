@@ -26,12 +26,18 @@ ready time as a fraction of backward.
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-if TYPE_CHECKING:
-    from profiling.simulate.usermodel import Profile
+import torch
+
+from profiling.common import report
+from profiling.common.report import command_line, markdown_table, produced_by
+from profiling.simulate import presets, usermodel
+from profiling.simulate.usermodel import Profile
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,6 @@ class Shape:
 
     def profile(self, model: Profile) -> Profile:
         """`model`'s profile (its gradients) split as measured."""
-        from dataclasses import replace
-
         if set(self.ready_s) != set(model.names):
             unknown = sorted(set(self.ready_s) ^ set(model.names))[:3]
             raise ValueError(f"the shape's parameters are not the model's: {unknown} differ")
@@ -69,16 +73,12 @@ class Shape:
 
 def split(shape: Shape, model: str) -> Profile:
     """A preset's profile split as `shape` measured it, for `presets.workload`."""
-    from profiling.simulate import presets
-
     if shape.model != model:
         raise ValueError(f"a shape measured on {shape.model} cannot split {model}'s iteration")
     return shape.profile(presets.profile(model))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import usermodel
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     parser.add_argument(
@@ -105,13 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import platform
-
-    import torch
-
-    from profiling.common import report
-    from profiling.simulate import presets, usermodel
-
     if args.compare is not None:
         return print_comparison(args.compare, args.markdown)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -147,10 +140,6 @@ def run(args: argparse.Namespace) -> None:
 def measure(spec: str, input_shape, batch: int, device: str = "cuda", *, name: str = "",
             **kwargs) -> Shape:  # fmt: skip
     """`usermodel.measure` of the model `spec` names, TF32 off, as a `Shape`."""
-    import torch
-
-    from profiling.simulate import usermodel
-
     if batch < 1:
         raise ValueError(f"need batch >= 1, got {batch}")
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
@@ -168,9 +157,6 @@ def measure(spec: str, input_shape, batch: int, device: str = "cuda", *, name: s
 
 def load(path: str, flag: str = "--shape") -> Shape:
     """A measurement written by --json, with a clear error for a file that is not one."""
-    import json
-    from pathlib import Path
-
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -199,8 +185,6 @@ DOCS_SHAPES = ("shape-resnet50-b112.json", "shape-bert_large-b8.json")
 def comparison(shapes: list[Shape]) -> list[dict]:
     """Per measured shape of a preset and per method (`scale --ready`): forward's share,
     and the gap in ready fraction from the GPU's (median and largest over gradients)."""
-    from profiling.simulate import presets, usermodel
-
     rows = []
     for measured in shapes:
         if measured.model not in presets.FACTORIES:
@@ -221,10 +205,6 @@ def comparison(shapes: list[Shape]) -> list[dict]:
 
 
 def print_comparison(paths: list[str], markdown_path: str | None) -> None:
-    from pathlib import Path
-
-    from profiling.common.report import command_line, markdown_table, produced_by
-
     docs = Path(__file__).resolve().parents[2] / "docs" / "results"
     shapes = [load(p, "--compare") for p in paths or [str(docs / name) for name in DOCS_SHAPES]]
     body = [

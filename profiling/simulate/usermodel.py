@@ -40,6 +40,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddp.clock import DeviceClock
 from profiling.simulate.schedule import Grad, Workload
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -86,9 +92,6 @@ def load_factory(spec: str) -> Callable[[], object]:
 
 def build(factory: Callable[[], object], spec: str, device: str = "meta"):
     """`factory()` under `device` as the default device; on meta it holds no memory."""
-    import torch
-    from torch import nn
-
     try:
         with torch.device(device):
             model = factory()
@@ -121,9 +124,6 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
 def example_input(model, input_shape: Sequence[int], batch: int, device: str):
     """A batch for `model`: float samples of `input_shape`, or, for one number, token ids
     of that sequence length below the model's first embedding's vocabulary."""
-    import torch
-    from torch import nn
-
     if len(input_shape) > 1:
         return torch.randn(batch, *input_shape, device=device)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -139,9 +139,6 @@ def example_input(model, input_shape: Sequence[int], batch: int, device: str):
 def _loss(output):
     """A scalar of every floating-point tensor the model returned (a tensor, a tuple, a
     dict, a dataclass of outputs), so backward reaches every gradient they depend on."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     if hasattr(output, "to_tuple"):  # Hugging Face's ModelOutput
         output = output.to_tuple()
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -170,8 +167,6 @@ def _named_failure(x):
 def flops_profile(model, x) -> Profile:
     """Backward's shape by FLOPs, on the meta device: forward's FLOPs against backward's,
     and the FLOPs backward had done when each gradient's accumulate hook fired."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     counter = FlopCounterMode(display=False)
     done_at: dict[str, int] = {}
@@ -221,10 +216,6 @@ def measure(
     the optimizer's step. Marks by `ddp.clock.DeviceClock` (CUDA events on a GPU, so a
     gradient's mark is when the GPU finished it); each step starts on an idle device.
     Medians of forward's share, each gradient's ready fraction and each phase."""
-    import torch
-
-    from ddp.clock import DeviceClock
-
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     clock = DeviceClock(torch.device(device))
@@ -276,8 +267,6 @@ def measure_spec(
     spec: str, input_shape: Sequence[int], batch: int, device: str, **kwargs
 ) -> tuple[Profile, Timing]:
     """`measure` of the model `spec` names, built for real on `device`, seeded."""
-    import torch
-
     model = build(load_factory(spec), spec, device)
     model.train()
     with torch.random.fork_rng(devices=[]):

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from itertools import combinations
 
+from profiling.simulate.cpu_cluster.calibration import Calibration
 from profiling.simulate.cpu_cluster.predict import (
     BUCKETED_STAGES,
     CAPS_MB,
@@ -264,8 +265,6 @@ def known_compute(data: dict, measured: dict[Run, Measured]) -> dict[Run, float]
     rounds: a diagnostic, not a prediction. What error is left is not the compute's
     input (calibrated minutes before the benchmark) but the rest: communication, and how
     the two mix."""
-    from profiling.simulate.cpu_cluster.calibration import Calibration
-
     out = {}
     for c in data["calibrations"]:
         calibration = Calibration.from_json(c)

@@ -7,7 +7,7 @@ a second holding the rest, which cannot start before backward ends. This command
 the validated model, before anything is measured on the cluster, how much each of
 some MLP shapes loses to that layout: for each it predicts torch's DDP step at its
 default layout and the drop-in's at each uniform cap the automatic stage would try
-(`stages.auto_bucket.CANDIDATES_MB`), and prints the gain of the best.
+(`ddp.buckets.CANDIDATES_MB`), and prints the gain of the best.
 
     python -m profiling.simulate.cpu_cluster buckets --shapes 1024x5x256 512x20x512
     python -m profiling.simulate.cpu_cluster buckets --rate 4gbit --markdown /tmp/buckets.md
@@ -29,11 +29,25 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-if TYPE_CHECKING:
-    from profiling.simulate.cpu_cluster.calibration import Calibration
-    from profiling.simulate.schedule import Workload
+from ddp.buckets import CANDIDATES_MB
+from ddp.config import Config
+from ddp.heap import steady_heap
+from profiling.common.report import command_line, markdown_table, produced_by, read_json
+from profiling.simulate import outputs
+from profiling.simulate.cpu_cluster.calibration import Calibration, calibration_path
+from profiling.simulate.cpu_cluster.inputs import measure_workload
+from profiling.simulate.cpu_cluster.predict import (
+    Run,
+    asynchronous_schedule,
+    buffer_broadcast_s,
+    calibration_for,
+    predict,
+)
+from profiling.simulate.layouts import torch_buckets
+from profiling.simulate.outputs import folders
+from profiling.simulate.schedule import Workload, simulate
 
 DEFAULT_SHAPES = ("2048x7x256", "1024x5x256", "1024x8x512", "1024x12x256", "512x20x512")
 
@@ -69,15 +83,6 @@ def default_against_caps(
     with the drop-in's schedule (one lane, launched as buckets fill, copies in and out);
     the best cap (of caps that build the same layout, the largest) and its gain on
     torch's default, in percent of torch's step."""
-    from profiling.simulate.cpu_cluster.predict import (
-        Run,
-        asynchronous_schedule,
-        buffer_broadcast_s,
-        predict,
-    )
-    from profiling.simulate.layouts import torch_buckets
-    from profiling.simulate.schedule import simulate
-
     calibration = replace(
         calibration,
         workloads={**calibration.workloads, model: workload},
@@ -119,8 +124,6 @@ def default_against_caps(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     parser.add_argument(
@@ -145,14 +148,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ddp.config import Config
-    from ddp.heap import steady_heap
-    from profiling.common.report import command_line, markdown_table, produced_by, read_json
-    from profiling.simulate.cpu_cluster.calibration import Calibration
-    from profiling.simulate.cpu_cluster.inputs import measure_workload
-    from profiling.simulate.cpu_cluster.predict import calibration_for
-    from stages.auto_bucket import CANDIDATES_MB
-
     def fail(why: str) -> NoReturn:
         sys.exit(f"profiling.simulate.cpu_cluster buckets: {why}")
 
@@ -162,8 +157,6 @@ def run(args: argparse.Namespace) -> None:
         fail(str(e))
     if args.repeats < 1:
         fail(f"--repeats must be at least 1, got {args.repeats}")
-    from profiling.simulate.cpu_cluster.calibration import calibration_path
-
     path = calibration_path(args.calibration)
     data = read_json(
         path,
@@ -218,8 +211,6 @@ def run(args: argparse.Namespace) -> None:
     print(text)
     paths = [Path(args.markdown)] if args.markdown else []
     if not args.no_files:
-        from profiling.simulate.outputs import folders
-
         name = "simulate-buckets.md" if args.docs else f"buckets-mlp-{args.rate}-{args.nproc}.md"
         paths.append(folders(args)[0] / name)
     for path in paths:

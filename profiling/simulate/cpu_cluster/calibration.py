@@ -24,10 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp.config import Config
-from profiling.cluster.network import parse_rate, tbf_burst_bytes
+from ddp.models import build_model
+from profiling.cluster.network import available, parse_rate, tbf_burst_bytes
+from profiling.cluster.virtual_cluster import VirtualCluster
 from profiling.collectives.model import counts, fit, measure_gamma, medians
+from profiling.common.report import load_average
 from profiling.simulate.cpu_cluster.contention import LATENCY_KEYS, comm_slowdown, latency_slowdowns
 from profiling.simulate.cpu_cluster.inputs import workload_from_json
+from profiling.simulate.cpu_cluster.worker import ENV
 from profiling.simulate.schedule import Cost, CostModel, Workload
 
 ALGORITHM = "gloo"  # the stages call torch's all-reduce: Gloo's ring, on CPU
@@ -41,14 +45,14 @@ SWEEP = {
     "max_repeats": 10,
     "seconds_per_size": 0.5,
 }
-# The sweep's figure per size: its fastest call. Gloo's small all-reduce on 2 ranks runs
-# at one of two paces from one call to the next (4 KiB in 0.16-0.73 ms or in 1.8-7.6),
-# and a median on the slow side, fitted, let the fit trade wire for latency: 512 KiB of
-# each phase passed free at 1 Gbit/s, past the token bucket's 256 KiB. A call's latency comes
-# from the sequence's slope (`call_s`), not from here, so the sweep sets only the wire
-# (beta and free_bytes), which its fastest calls show best; and free_bytes is capped at
-# the bucket's depth (`tbf_burst_bytes`), all a link shaped by it can pass at once, and
-# beta at the link's rate: past the bucket, no byte crosses faster.
+# The sweep's figure per size: its fastest call. Gloo's small all-reduce on shared cores
+# runs at one of two paces from one call to the next, and a median on the slow side lets
+# the fit trade wire for latency. A call's latency comes from the sequence's slope
+# (`call_s`), not from here, so the sweep sets only the wire (beta and free_bytes), which
+# its fastest calls show best; and free_bytes is capped at the bucket's depth
+# (`tbf_burst_bytes`), all a link shaped by it can pass at once, and beta at the link's
+# rate: past the bucket, no byte crosses faster. The measurements:
+# docs/appendix/simulator-runs.md, "Calibration".
 SWEEP_SECONDS = "min_s"
 TWO_LANES_BELOW = 1.5  # two small all-reduces at once take < 1.5x one: they overlap
 
@@ -194,8 +198,8 @@ def busy_launch_s(sequence: dict) -> float:
     beyond one issued after the last has ended (what the model charges with `call_s`):
     the per-call slope of the sequences launched all at once (each extra call of a
     burst is queued behind the others), less that of the sequences waited for call by
-    call. A slope over many calls: a single pair launched together was measured at
-    0.62 to 3.71 ms on 2 ranks from one calibration to the next."""
+    call. A slope over many calls, as a single pair launched together varies several
+    times over from one calibration to the next (docs/appendix/simulator-runs.md)."""
     return max(0.0, slope_s(sequence, "async_seconds") - slope_s(sequence))
 
 
@@ -211,9 +215,9 @@ def slope_s(sequence: dict, key: str = "seconds") -> float:
 def call_s(sequence: dict, cost: CostModel) -> float:
     """What a collective costs in a sequence beyond the cost model's figure for it: the
     sequence's slope per call, less `cost` of its size, so that a small call costs the
-    slope. Negative where the fit says more: on 4 ranks the fit's 4 KiB all-reduce
-    ranged 3.9-8.3 ms over 14 calibrations, the slope 4.9-6.6 ms; held at 0, call_s
-    once put naive with 17 small gradients 18% long."""
+    slope. Negative where the fit's small call costs more than the slope (on 4 ranks it
+    can): held at 0 there, every small call would be overcharged
+    (docs/appendix/simulator-runs.md)."""
     return slope_s(sequence) - cost(sequence["size_bytes"]).seconds
 
 
@@ -221,8 +225,6 @@ def buffer_bytes(cfg: Config) -> list[int]:
     """Bytes of the model's buffers, one entry per dtype: what a stage with
     broadcast_buffers (buffers and later, torch's default) broadcasts before each
     synchronised forward, one broadcast per dtype (`ddp.dist.broadcast_buffers`)."""
-    from ddp.models import build_model
-
     model = build_model(cfg.model, width=cfg.width, depth=cfg.depth)
     by_dtype: dict = {}
     for b in model.buffers():
@@ -245,11 +247,6 @@ def calibrate(
     `rate`; return its measurements with the cost fit and the lanes (plain data;
     `Calibration.from_json`). `layouts`: per model key, the (stage, cap_mb) whose steps
     with no communication to time (`measure.own_steps`; none if not given)."""
-    from profiling.cluster.network import available
-    from profiling.cluster.virtual_cluster import VirtualCluster
-    from profiling.common.report import load_average
-    from profiling.simulate.cpu_cluster.worker import ENV
-
     ok, why = available()
     if not ok:
         raise SystemExit(f"profiling.simulate: no shaped network ({why}); run as root")
@@ -352,7 +349,7 @@ def model_fits(m: dict, fit: dict, world_size: int, sequence: dict, busy_s: floa
 
 def calibration_path(given: Path | None) -> Path:
     """A CPU-cluster calibration: the one given, or the docs' own in this checkout."""
-    path = given or Path(__file__).resolve().parents[2] / "docs/results/simulate-validate.json"
+    path = given or Path(__file__).resolve().parents[3] / "docs/results/simulate-validate.json"
     if not path.is_file():
         raise SystemExit(
             f"no calibration file {path}; run `python -m profiling.simulate validate --json "

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import statistics
 
-from profiling.simulate.schedule import CostModel, Workload
+from profiling.simulate.cpu_cluster.sharing import SharedCores
+from profiling.simulate.schedule import CostModel, Grad, StageSchedule, Workload, simulate
 
 SEQUENCE_BYTES = 4 * 2**10  # latency-bound: what a call costs beyond its bytes (`measure`)
 
@@ -102,9 +103,6 @@ def model_trickle(
     end, each in a bucket of its own on one lane, at these slowdowns (all four: the
     calls are latency-bound); [compute's end, last call's end, compute_s, [[start,
     end] per call]], a call's start being when the lane serves it."""
-    from profiling.simulate.cpu_cluster.sharing import SharedCores
-    from profiling.simulate.schedule import Grad, StageSchedule, simulate
-
     grads = tuple(Grad(f"call {k}", nbytes, compute_s * (k + 1) / calls) for k in range(calls))
     step = simulate(
         Workload(grads, forward_s=0.0, backward_s=compute_s, optimizer_s=0.0),
@@ -134,12 +132,10 @@ def latency_slowdowns(sequence: dict, cost: CostModel, busy_launch_s: float) -> 
     - `latency_slowdown`: the one at which the model's own trickle (`model_trickle`,
       the repeats' median compute alone, that communication slowdown) ends its compute
       where the repeats' median did. Each repeat's pair gives that repeat back, but the
-      two medians, taken apart, need not give back the median repeat: on 2 ranks at
-      1 Gbit/s, in one calibration, they ended the model's compute 9% early and its
-      last call 15% early (fitted, the compute's end is the median's and the last
-      call's 8% early). With the communication's fixed, the compute's end rises with
-      the slowdown, so one figure fits it (both fitted to the two ends fit a whole
-      curve of pairs)."""
+      two medians, taken apart, need not give back the median repeat (they can end the
+      model's compute and its last call well short of it: docs/appendix/simulator-runs.md).
+      With the communication's fixed, the compute's end rises with the slowdown, so one
+      figure fits it (both fitted to the two ends fit a whole curve of pairs)."""
     one_call_s = cost(sequence["size_bytes"]).seconds
     repeats = sequence["trickle"]["repeats"]
     pairs = [trickle_slowdowns(r, one_call_s, busy_launch_s) for r in repeats]

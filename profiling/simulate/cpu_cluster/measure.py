@@ -12,13 +12,23 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Importing it registers torch's "fake" backend (a test utility torch ships): `own_steps`.
+import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+import stages
 from ddp.config import Config
-from profiling.simulate.cpu_cluster.contention import SEQUENCE_BYTES
-
-if TYPE_CHECKING:
-    import torch
+from ddp.data import rank_batch
+from ddp.dist import broadcast_buffers, slowest_seconds
+from ddp.models import rank_model
+from ddp.train import ComputeOnly
+from profiling.bench import variants as bench
+from profiling.bench.options import FLOOR
+from profiling.simulate.cpu_cluster.contention import SEQUENCE_BYTES, flight_under
 
 CONCURRENCY_BYTES = (4 * 2**10, 4 * 2**20)  # latency-bound, and wire-bound
 CONCURRENCY_REPEATS = 30  # a few ms each: the medians of many, as one pair is noisy
@@ -32,15 +42,13 @@ SEQUENCE_REPEATS = 15
 SEQUENCE_WORK = (256, 40)  # before each sequence, 40 matmuls of 256 x 256 (a few ms)
 # The compute small all-reduces are trickled through: one launched after every
 # TRICKLE_MATMULS matmuls of SEQUENCE_WORK's side, the last at the compute's end, as a
-# backward's last gradient is ready at its end. 16 x 5 matmuls: about 16 ms on 2 ranks,
-# 23-28 on 4, within the validated models' backward (15-58 ms): a launch a millisecond
-# or two.
+# backward's last gradient is ready at its end. With five matmuls between launches, a call
+# leaves every millisecond or two and the whole trickle lasts about as long as the
+# validated models' backward (the timings: docs/appendix/simulator-runs.md).
 TRICKLE_MATMULS = 5
 
 
 def say(text: str) -> None:
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         print(f"calibration: {text}", file=sys.stderr, flush=True)
 
@@ -48,11 +56,6 @@ def say(text: str) -> None:
 def concurrency(nbytes: int) -> dict:
     """Seconds (median of the slowest rank) for one all-reduce of `nbytes`, and for two
     launched asynchronously at once and both waited for."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.dist import slowest_seconds
-
     a, b = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
 
     def two() -> None:
@@ -71,11 +74,6 @@ def copy_s_per_byte() -> float:
     """Seconds per byte of the pass a stage makes over a gradient as it goes into its
     bucket (divided by the world size, into a view of the flat buffer); the median of
     the slowest rank's, every rank at once, as in a step."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.dist import slowest_seconds
-
     grad, bucket = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     world = dist.get_world_size()
     pass_s = statistics.median(
@@ -101,11 +99,6 @@ def sequence() -> dict:
     on two shared cores a small all-reduce's cost swings 2-3x from one second to the
     next, so each repeat's compute with calls is compared with that repeat's compute
     alone (its calls with the model's cost of a call)."""
-    import torch
-    import torch.distributed as dist
-
-    from profiling.simulate.cpu_cluster.contention import flight_under
-
     side, matmuls = SEQUENCE_WORK
     a = torch.randn(side, side)
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
@@ -194,12 +187,6 @@ def _time_after_backward(
     `model`'s forward and backward on this rank's batch, a barrier (so every rank
     starts the work at once, as in a step), then `work` timed; per step the slowest
     rank's, the warm-up included (the caller drops it)."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from ddp.data import rank_batch
-
     rank, world = dist.get_rank(), dist.get_world_size()
     seconds = []
     # --8<-- [start:after_backward]
@@ -223,18 +210,12 @@ def copy_after_backward(cfg: Config) -> float:
     world size into its view of one flat buffer (in reverse parameter order, as the
     buckets go), then the average copied back; per byte of one pass, the median over
     repeats. A pass made just after backward costs more per byte than
-    `copy_s_per_byte`'s, one 4 MiB gradient divided over and over: for the
-    validation's MLP (16 MiB) 1.5-1.9 times on 2 ranks and 1.7-4.6 times on 4, in the
-    first two calibrations that timed both; and for the CNN's 17 small tensors each
-    call's own overhead counts. As the stage with one bucket does it; with several,
+    `copy_s_per_byte`'s, one 4 MiB gradient divided over and over (by how much:
+    docs/appendix/simulator-runs.md, "Calibration"); and for the CNN's 17 small tensors
+    each call's own overhead counts. As the stage with one bucket does it; with several,
     each bucket's copy in, all-reduce and copy out follow one another, and an
     overlapped stage copies each gradient in as backward writes it, which this does
     not time apart."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.models import rank_model
-
     world = dist.get_world_size()
     model = rank_model(cfg, dist.get_rank())
     params = [p for p in model.parameters() if p.requires_grad][::-1]
@@ -258,17 +239,10 @@ def calls_after_backward(cfg: Config) -> dict:
     """`sequence`'s calls one by one, where a step issues its calls: right after `cfg`'s
     backward (`_time_after_backward`), 1 and then 16 small all-reduces one after the other,
     alternating repeat by repeat (so both lengths see the same spells of the machine).
-    Its slope is what a call costs in the step of this model. On the second machine
-    the validation's naive stage measured 1.8 to 2.1 ms a small call on 2 ranks in all
-    six clusters of three runs, while the sequence after matmuls gave 1.0 to 2.0 ms
-    from one calibration to the next; over four runs on both machines it gave 0.47 to
-    1.08 times naive's figure on 2 ranks (a median of 0.81), 0.85 to 1.08 on 4 (0.93).
+    Its slope is what a call costs in the step of this model: the slope taken after
+    matmuls (`sequence`) moves from one calibration to the next, where what the stages'
+    own calls cost after backward hardly does (the runs: docs/appendix/simulator-runs.md).
     `sequence`'s layout: `slope_s` reads it."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.models import rank_model
-
     tensors = [torch.zeros(SEQUENCE_BYTES // 4) for _ in range(max(SEQUENCE_LENGTHS))]
     kinds = len(SEQUENCE_LENGTHS)
 
@@ -294,15 +268,9 @@ def broadcast_buffers_s(cfg: Config) -> float:
     """Seconds of `ddp.dist.broadcast_buffers` over `cfg`'s model, as a stage with
     broadcast_buffers makes it before each forward: from a barrier (a step starts at
     one in the benchmark), the slowest rank's, the median over repeats; 0 for a model
-    without buffers. Gloo's broadcast is not an all-reduce of as many bytes: on the
-    virtual cluster at 1 Gbit/s one broadcast of either of the CNN's two took
-    0.56-0.65 ms on 4 ranks, where an all-reduce of the same bytes took 4.3-8.3 ms; on
-    2 ranks, 0.19-0.26 ms."""
-    import torch.distributed as dist
-
-    from ddp.dist import broadcast_buffers, slowest_seconds
-    from ddp.models import rank_model
-
+    without buffers. Gloo's broadcast is not an all-reduce of as many bytes: it takes
+    fewer message rounds, and on 4 ranks a small one costs several times less (the
+    timings: docs/appendix/simulator-runs.md, "Calibration")."""
     model = rank_model(cfg, dist.get_rank())
     if not list(model.buffers()):
         return 0.0
@@ -328,17 +296,6 @@ def own_steps(cfg: Config, layouts: list[list]) -> dict:
     round's compute alone. What a fake collective costs to call (its Python and c10d
     dispatch, about 4 us on the machine here) stays in, where the model's cost of a
     call holds it too."""
-    import torch
-    import torch.distributed as dist
-
-    # Importing it registers torch's "fake" backend (a test utility torch ships).
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
-    from ddp.train import ComputeOnly
-    from profiling.bench.options import FLOOR
-    from profiling.bench.variants import build_variant, make_batches, step
-    from stages import STAGES
-
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([r], backend="fake") for r in range(world)]  # all make all
     alone = groups[rank]
@@ -348,19 +305,20 @@ def own_steps(cfg: Config, layouts: list[list]) -> dict:
         if stage == FLOOR:
             return lambda model, _: ComputeOnly(model, process_group=alone)
         options = {} if cap is None else {"bucket_cap_mb": cap}
-        return lambda model, _: STAGES[stage](model, process_group=alone, **options)
+        # `stages.STAGES` read now, not at import: built on first use (a test stands in its own)
+        return lambda model, _: stages.STAGES[stage](model, process_group=alone, **options)
 
     # --8<-- [start:own_steps]
     timed = [[FLOOR, None], *layouts]
-    variants = [build_variant(stage, wrap(stage, cap), cfg, device) for stage, cap in timed]
+    variants = [bench.build_variant(stage, wrap(stage, cap), cfg, device) for stage, cap in timed]
     for k in range(WARMUP + OWN_REPEATS):
-        batches = make_batches(variants[0].model, cfg, 2 * k, 2, device)
+        batches = bench.make_batches(variants[0].model, cfg, 2 * k, 2, device)
         shift = k % len(variants)  # the order rotated by one a round, as the benchmark's
         for variant in variants[shift:] + variants[:shift]:
             # One step untimed first: the first after a switch pays for the one before
             # having pushed this one's memory out of cache (the benchmark drops it too).
-            step(variant, batches[0], device)
-            variant.step_times_s.append(step(variant, batches[1], device)[0])
+            bench.step(variant, batches[0], device)
+            variant.step_times_s.append(bench.step(variant, batches[1], device)[0])
     # --8<-- [end:own_steps]
     slowest = torch.tensor([v.step_times_s for v in variants], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

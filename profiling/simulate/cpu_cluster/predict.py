@@ -13,14 +13,14 @@ with an explicit bucket_cap_mb as here, no smaller first bucket.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # only for the hints: the command's parser imports this module
-    from profiling.simulate.cpu_cluster.calibration import Calibration
-    from profiling.simulate.cpu_cluster.sharing import SharedCores
-    from profiling.simulate.schedule import StageSchedule, Workload
+from profiling.simulate.cpu_cluster.calibration import Calibration
+from profiling.simulate.cpu_cluster.sharing import SharedCores
+from profiling.simulate.layouts import per_parameter, uniform_buckets
+from profiling.simulate.schedule import StageSchedule, Workload, simulate
 
 # What the grid measures. The MLP is sized so that communication (16 MiB of gradients,
 # about 140 ms at 1 Gbit/s on 2 ranks) outweighs its compute at 1 Gbit/s and not at
@@ -108,9 +108,6 @@ def asynchronous_schedule(calibration: Calibration) -> tuple[StageSchedule, Shar
     drop_in, and torch's DDP alike): one lane, the calibration's busy launch, and each
     gradient copied into its bucket and the average back (the benchmark leaves
     gradient_as_bucket_view off)."""
-    from profiling.simulate.cpu_cluster.sharing import SharedCores
-    from profiling.simulate.schedule import StageSchedule
-
     copy = calibration.copy_s_per_byte
     return StageSchedule(overlap=True), SharedCores(
         busy_launch_s=calibration.busy_launch_s,
@@ -145,10 +142,6 @@ def _layout(
     stage: str, workload: Workload, cap_mb: float | None, calibration: Calibration
 ) -> tuple[list[list[int]], StageSchedule, SharedCores]:
     """`layout` before the stage's own time: its buckets, and its copies as it makes them."""
-    from profiling.simulate.cpu_cluster.sharing import SharedCores
-    from profiling.simulate.layouts import per_parameter, uniform_buckets
-    from profiling.simulate.schedule import StageSchedule
-
     # Every stage with buckets divides each gradient into its bucket and copies the
     # average back (drop_in too: the benchmark leaves gradient_as_bucket_view off);
     # naive all-reduces the gradient itself, then divides it in place.
@@ -186,10 +179,6 @@ def buffer_broadcast_s(calibration: Calibration, model: str) -> float:
 
 def predict(run: Run, calibration: Calibration) -> dict:
     """The simulated step of `run` under its (rate, world size)'s calibration."""
-    import dataclasses
-
-    from profiling.simulate.schedule import simulate
-
     calibration = calibration.for_model(run.model)
     workload = calibration.workloads[run.model]
     if run.stage == FLOOR:

@@ -17,9 +17,9 @@ runs there and print the predictions; only then measure them, with one
 rounds (`--variants compute_only,naive,bucketed,overlapped,drop_in --sweep
 bucket_cap_mb=...`). Each model is calibrated just before its own runs are measured,
 not every cluster first, nor both models of a cluster together: on a shared machine
-the compute's pace drifts over minutes (a first calibration on an idle machine once
-timed the CNN's compute 15% faster than every measurement after), and a model
-benchmarked second would be predicted from a compute timed minutes before.
+the compute's pace drifts over minutes (docs/appendix/simulator-runs.md,
+"Calibration"), and a model benchmarked second would be predicted from a compute timed
+minutes before.
 The table compares each run's predicted step with its measured median; the last line
 sums it up:
 
@@ -40,11 +40,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-# Light imports only: the command's parser imports this module (torch, the virtual
-# cluster and the calibration are imported inside run).
+from ddp.config import Config
+from profiling.common.report import command_line, load_average, machine, read_json, write_json
+from profiling.simulate.cpu_cluster import calibration
 from profiling.simulate.cpu_cluster.analyse import (
     analyse,
     bench_command,
@@ -53,6 +57,7 @@ from profiling.simulate.cpu_cluster.analyse import (
     ranking_line,
     summary_line,
 )
+from profiling.simulate.cpu_cluster.calibration import Calibration
 from profiling.simulate.cpu_cluster.predict import (
     CAPS_MB,
     FLOOR,
@@ -89,17 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.render:
-        from profiling.common.report import read_json
-
         data = read_json(args.render, "profiling.simulate validate", "predictions")
         return _report(data, args)
-    import tempfile
-    from pathlib import Path
-
-    from ddp.config import Config
-    from profiling.common.report import command_line, load_average, machine, write_json
-    from profiling.simulate.cpu_cluster.calibration import Calibration, calibrate
-
     spec = (
         QUICK
         if args.quick
@@ -132,14 +128,15 @@ def run(args: argparse.Namespace) -> None:
                     mine = [r for r in runs if r.group == (model, rate, world)]
                     # and every stage's step of its runs with no communication
                     layouts = {model: [(r.stage, r.cap_mb) for r in mine]}
-                    calibrated = _twice(calibrate, rate, world, cfg, layouts=layouts)
+                    # (`calibration.calibrate` looked up here, where a test stands in for it)
+                    calibrated = _twice(calibration.calibrate, rate, world, cfg, layouts=layouts)
                     data["calibrations"].append(calibrated)
                     calibrating_s += time.perf_counter() - t0
-                    calibration = Calibration.from_json(data["calibrations"][-1])
+                    fitted = Calibration.from_json(data["calibrations"][-1])
 
                     # 2. Predict its runs, and show the predictions before any is measured.
                     predictions = [
-                        {**r.to_json(), **predict(r, calibration)}
+                        {**r.to_json(), **predict(r, fitted)}
                         for r in sorted(
                             [Run(model, rate, world, FLOOR, None), *mine],
                             key=lambda r: r.table_order,
@@ -174,9 +171,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _bench(command: list[str], path: str) -> list[dict]:
-    import subprocess
-    from pathlib import Path
-
     code = subprocess.run(command).returncode
     if code != 0:
         raise SystemExit(
@@ -198,8 +192,6 @@ def _twice(measure, *args, **kwargs):
 
 def _report(data: dict, args: argparse.Namespace) -> None:
     """Analyse, print the table, write --json and --markdown; the summary line last."""
-    from profiling.common.report import write_json
-
     predicted = {Run.from_json(p): p["predicted_ms"] for p in data["predictions"]}
     measured = measurements(data["bench"])
     data["analysis"] = analyse(predicted, measured)

@@ -5,6 +5,7 @@ the predictions against the measurements, the two checks and the summary line).
 
 from __future__ import annotations
 
+from profiling.common.report import markdown_table, produced_by
 from profiling.simulate.cpu_cluster.analyse import (
     BENCH_ROUNDS,
     BENCH_STEPS,
@@ -30,8 +31,6 @@ def text_table(analysis: dict) -> str:
 def markdown(data: dict) -> str:
     """The fragment the simulator's page includes: how it was made, the calibration,
     the table, the two checks and the summary line."""
-    from profiling.common.report import markdown_table, produced_by
-
     a = data["analysis"]
     parts = [
         produced_by([data["command"]], ", from the repository root, as root (namespaces)"),
@@ -177,8 +176,6 @@ def markdown(data: dict) -> str:
 def _own_steps_table(calibrations: list[dict]) -> list[str]:
     """The markdown lines of each stage's own time as the calibrations timed it (none
     for calibrations made before it was): ms beyond the compute, by cap."""
-    from profiling.common.report import markdown_table
-
     rows = []
     for c in calibrations:
         for key, m in c["models"].items():

@@ -13,9 +13,9 @@ On every rank at once (`measure`), it measures, in this order:
    together; where two small ones take about as long as one, `lanes` says 2. It is
    reported, not used: the model of a stage with one process group keeps one lane, as
    the trickle of item 4 runs on such a group and holds in its figures whatever the
-   second thread overlaps under compute (with two lanes on top, one calibration on 4
-   ranks put overlapped 25% short), and 16 launched at once were never near twice as
-   fast as 16 one after the other (0.75-1.01 of the slope on 4 ranks, four runs);
+   second thread overlaps under compute (two lanes on top would count it twice), and
+   16 launched at once were never near twice as fast as 16 one after the other (the
+   runs: docs/appendix/simulator-runs.md, "Calibration", Lanes);
 3. the stages' own pass over a gradient: `torch.div(grad, W, out=bucket_view)`, what
    bucketed and overlapped do to each gradient before its all-reduce (and a copy of
    the same size after it), on every rank at once: per model over all its gradients
@@ -24,9 +24,8 @@ On every rank at once (`measure`), it measures, in this order:
 4. small all-reduces in a sequence, interleaved in every repeat:
    - a collective's cost in a sequence (`call_s`): after some compute, 1 and then 16
      small all-reduces one after the other, as a stage issues its buckets. The sweep
-     starts every call from a barrier and times that call alone; in a sequence each
-     call measured 1.5-3 times that on two ranks (0.70 against 0.34 ms, 0.9 against
-     0.3), and 0.6-1.6 times on four (4.9 against 6.8, 5.2 against 4.3); what a call
+     starts every call from a barrier and times that call alone, and a call in a
+     sequence costs something else (on 2 ranks more, on 4 more or less); what a call
      costs beyond (or short of) the sweep's figure goes to every collective's latency;
    - the same lengths launched all at once, then waited for: `busy_launch_s`, what a
      call queued behind others costs beyond one issued after the last has ended;
@@ -39,10 +38,9 @@ On every rank at once (`measure`), it measures, in this order:
      repeat). A large all-reduce mostly waits for the link, a small one for the cores
      (each message round wakes a thread), so the two share the cores differently.
      Launched one at a time, each wakes Gloo's thread on cores the compute holds: on
-     2 ranks, 16 trickled through 16 ms of matmuls ended, in one calibration, about
-     when the same compute and then the same 16 one after the other would have (31.6
-     against 16.1 + 16.5 ms), where 16 launched all at once at its start ended inside
-     the compute. The calls' stamps are
+     2 ranks a trickle can end no sooner than the same calls made after the compute,
+     where the same launched all at once end inside it (the timings:
+     docs/appendix/simulator-runs.md). The calls' stamps are
      needed: where the lane keeps up with the launches, the two ends alone (the
      compute's and the last call's) fit a whole curve of pairs, where one end and the
      flights pick one;
@@ -77,7 +75,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from ddp.config import Config
+from ddp.dist import setup_process_group, slowest_seconds, teardown_process_group
+from ddp.heap import steady_heap
+from profiling.collectives.worker import sweep
 from profiling.simulate.cpu_cluster import measure
 from profiling.simulate.cpu_cluster.inputs import (
     pooled_repeats,
@@ -103,12 +107,6 @@ ENV = "SIMULATE_CALIBRATION"  # the settings, as JSON, from `calibration.calibra
 
 
 def worker(settings: dict) -> None:
-    import torch.distributed as dist
-
-    from ddp.dist import setup_process_group, teardown_process_group
-    from ddp.heap import steady_heap
-    from profiling.collectives.worker import sweep
-
     steady_heap()  # the heap as the benchmark's ranks hold it (`ddp.heap`)
     # The stages' setup and teardown: torch._dynamo imported before the group exists (the
     # optimizer's step would import it after, and keep the group alive into interpreter
@@ -155,8 +153,6 @@ class Spells:
         self.started = time.perf_counter()
 
     def take(self, keys: list[str] | None = None) -> None:
-        import torch.distributed as dist
-
         for key in keys or list(self.configs):
             self.at_s[key].append(time.perf_counter() - self.started)
             _, repeats = time_repeats(
@@ -177,11 +173,6 @@ def _model(
     in flight for all of it; the compute kept is these repeats and every spell of it
     (`Spells`), pooled; and, given `layouts` ([stage, cap_mb] each), those stages' steps
     with no communication (`measure.own_steps`)."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp.dist import slowest_seconds
-
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def everyone(repeats: list) -> list[list]:

@@ -29,12 +29,26 @@ on it (`terms`) are added one at a time.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from profiling.simulate.published.terms import GpuSharing
+import matplotlib
+import matplotlib.pyplot as plt
+
+from profiling.common import report
+from profiling.common.report import command_line, markdown_table, produced_by
+from profiling.simulate import outputs, presets
+from profiling.simulate.clusters import cluster
+from profiling.simulate.published import paper, terms
+from profiling.simulate.published.sources import (
+    GOYAL_E256,
+    GOYAL_E256_SOURCE,
+    LI_GPUS,
+    LI_OVERLAP,
+    LI_OVERLAP_SOURCE,
+)
+from profiling.simulate.published.terms import DOCS_TRACE, GpuSharing, straggler_sigma_for
 from profiling.simulate.published.torch_bench import (
     NO_DDP,
     TORCH_BENCH,
@@ -50,14 +64,10 @@ from profiling.simulate.published.torch_bench import (
     torch_bench_step_s,
     torch_bench_workload,
 )
+from profiling.simulate.scale import PER_PARAMETER
+from profiling.simulate.schedule import Sharing, Workload
+from profiling.simulate.topology import GBIT, Topology, cost_model
 
-if TYPE_CHECKING:
-    from profiling.simulate.schedule import Sharing, Workload
-    from profiling.simulate.topology import Topology
-
-GOYAL_E256 = 0.90
-LI_OVERLAP = {"resnet50": 0.380, "bert_large": 0.352}  # NCCL; Gloo: 26.8%, 21.5%
-LI_GPUS = 32
 # Li et al. do not give ResNet-50's batch: ASSUMED 32 per GPU, as torch's own DDP
 # benchmark, written by the same team, runs it; BERT-large at its preset's 8.
 LI_BATCH = {"resnet50": 32, "bert_large": 8}
@@ -91,20 +101,12 @@ class Row:
 def li_cluster(inter_bytes_per_s: float = LI_INTER_BYTES_PER_S) -> Topology:
     """Li et al.'s 32 GPUs (the `li2020` preset) with the bus bandwidth NCCL achieves
     across servers of one 100 Gbit/s NIC each, in place of the NIC's line rate."""
-    from dataclasses import replace
-
-    from profiling.simulate.clusters import cluster
-
     return replace(cluster("li2020").topology, inter_bytes_per_s=inter_bytes_per_s)
 
 
 def li_workload(model: str, batch: int | None = None) -> Workload:
     """The model at `batch` per GPU (LI_BATCH by default) on one V100: ResNet-50 at 32
     from torch's benchmark's own 0.097 s, at 112 from NVIDIA's; BERT-large at 8."""
-    from dataclasses import replace
-
-    from profiling.simulate import presets
-
     compute = presets.COMPUTE[model, "V100"]
     batch = batch or LI_BATCH[model]
     if model == "resnet50" and batch == TORCH_BENCH_BATCH:
@@ -125,8 +127,6 @@ def li_speedup(
     """Li et al.'s overlap speed-up at 32 GPUs, NCCL's ring, the layout of their DDP
     (torch 1.5's, as 1.4's: `torch14_buckets`): all-reduce after backward against
     during it, minus one."""
-    from profiling.simulate.topology import cost_model
-
     w = li_workload(model, batch)
     cost = cost_model(li_cluster(inter_bytes_per_s).with_gpus(LI_GPUS), "ring")
     buckets = torch14_buckets(w, 25.0)
@@ -138,8 +138,6 @@ def li_speedup(
 def measured_terms(trace: str | Path) -> tuple[GpuSharing, GpuSharing]:
     """The terms measured on `trace`, carried to the benchmark's V100: DDP's passes
     alone, then with compute beside NCCL."""
-    from profiling.simulate.published import terms
-
     events = terms.load(trace)
     work = terms.reducer_work(events, terms.A100_MEMORY_BYTES_PER_S)
     beside = terms.beside_nccl(events)
@@ -150,9 +148,6 @@ def measured_terms(trace: str | Path) -> tuple[GpuSharing, GpuSharing]:
 def rows(trace: str | Path | None = None) -> list[Row]:
     """Every published row with the model's prediction; with `trace` (a GPU trace of
     torch's DDP training ResNet-50), also with the terms measured on it."""
-    from profiling.simulate.published import paper
-    from profiling.simulate.scale import PER_PARAMETER
-
     workloads = {model: torch_bench_workload(model) for model in TORCH_BENCH_P50_S}
     variants = [None] if trace is None else [None, *measured_terms(trace)]
 
@@ -191,7 +186,7 @@ def rows(trace: str | Path | None = None) -> list[Row]:
     out.append(Row(
         "Goyal et al.: resnet50, E(256) against 8 P100", GOYAL_E256,
         next(r["efficiency"] for r in goyal if r["gpus"] == 256), "E",
-        "Goyal et al. 2017, sections 1 and 5.5: ~90% from 8 to 256 GPUs",
+        GOYAL_E256_SOURCE,
     ))  # fmt: skip
     for model, speedup in LI_OVERLAP.items():
 
@@ -200,8 +195,8 @@ def rows(trace: str | Path | None = None) -> list[Row]:
 
         batch = LI_BATCH[model]
         out.append(Row(
-            f"Li et al.: {model}, speed-up of overlapping, 32 GPUs, NCCL (batch {batch})",
-            speedup * 100, unit="%", source="Li et al. 2020, section 5.1 (Figure 6)",
+            f"Li et al.: {model}, speed-up of overlapping, {LI_GPUS} GPUs, NCCL (batch {batch})",
+            speedup * 100, unit="%", source=LI_OVERLAP_SOURCE,
             **predictions(li),
         ))  # fmt: skip
     return out
@@ -211,8 +206,6 @@ def li_sensitivity() -> list[list[str]]:
     """Li et al.'s overlap speed-up as the unknown settings move: ResNet-50's batch, and
     the bus bandwidth between servers (the NIC's line rate, or what NCCL achieves on
     it); the bare model."""
-    from profiling.simulate.topology import GBIT
-
     rates = [(100 * GBIT, "100 Gbit/s line rate"),
              (LI_INTER_BYTES_PER_S, "10 GB/s (NCCL, 2 servers)"),
              (6e9, "6 GB/s (NCCL, 8 or more)")]  # fmt: skip
@@ -229,10 +222,6 @@ def what_ifs(trace: str | Path) -> list[str]:
     eight GPUs for two; backward 1.19 times slower beside NCCL instead of the trace's
     ratio (arXiv 2507.03114's mean slowdown of compute overlapped with communication,
     18.9%); and backward stopped whenever a collective is in its latency."""
-    from dataclasses import replace
-
-    from profiling.simulate.topology import cost_model
-
     _, base = measured_terms(trace)
     workloads = [torch_bench_workload(m) for m in TORCH_BENCH_P50_S]
 
@@ -274,9 +263,6 @@ class Stalled(GpuSharing):
 
 
 def markdown(table: list[Row], notes: list[str] = ()) -> str:
-    from profiling.common.report import command_line, markdown_table, produced_by
-    from profiling.simulate.published.terms import straggler_sigma_for
-
     def cell(value: float, unit: str) -> str:
         return f"{value:.3f}" if unit == "E" else f"{value:+.1f}%"
 
@@ -329,13 +315,7 @@ def markdown(table: list[Row], notes: list[str] = ()) -> str:
 def plot(table: list[Row], path) -> None:
     """E(p) of each model of torch's benchmark, 1 to 16 GPUs: published, the bare model,
     and the model with the terms (where the table has them)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, axes = plt.subplots(2, 2, figsize=(report.FIGURE_WIDTH_IN, 6.0), sharex=True, sharey=True)
     gpus = [g for g in TORCH_BENCH_P50_S["resnet50"] if g != NO_DDP]
@@ -364,8 +344,6 @@ def plot(table: list[Row], path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from profiling.simulate import outputs
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     outputs.add_arguments(parser)
@@ -378,18 +356,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def terms_trace_help() -> str:
-    from profiling.simulate.published.terms import DOCS_TRACE
-
     return f"{DOCS_TRACE} in this checkout"
 
 
 def run(args: argparse.Namespace) -> None:
-    from profiling.simulate import outputs
-    from profiling.simulate.published.terms import DOCS_TRACE
-
     trace = None if args.no_terms else args.terms_from
     if trace is None and not args.no_terms:
-        trace = Path(__file__).resolve().parents[2] / DOCS_TRACE
+        trace = Path(__file__).resolve().parents[3] / DOCS_TRACE
         if not trace.is_file():
             raise SystemExit(f"published: no {DOCS_TRACE} here; pass --terms-from or --no-terms")
     elif trace is not None and not Path(trace).is_file():

@@ -4,7 +4,7 @@
 
 Li et al., "PyTorch Distributed" (VLDB 2020): per-iteration time of ResNet-50 and BERT
 from 8 to 256 GPUs (near-linear), the speed-up of overlapping communication with
-backward on NCCL (38% for ResNet-50, 35% for BERT), and the bucket-size curve (a U,
+backward on NCCL (38.0% for ResNet-50, 35.2% for BERT), and the bucket-size curve (a U,
 with the default 25 MB near its bottom). Goyal et al., "Accurate, Large Minibatch SGD"
 (arXiv 1706.02677): ~90% scaling efficiency from 8 to 256 GPUs on 50 Gbit/s Ethernet,
 and recursive halving-doubling 3x faster than the ring between 32 servers.
@@ -21,27 +21,41 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from profiling.simulate.shape import Shape
+import matplotlib
+import matplotlib.pyplot as plt
+
+from profiling.common import report
+from profiling.common.report import markdown_table, produced_by
+from profiling.simulate import outputs, presets, shape
+from profiling.simulate.clusters import cluster
+from profiling.simulate.layouts import uniform_buckets
+from profiling.simulate.published.sources import (
+    GOYAL_E256,
+    GOYAL_SERVERS,
+    GOYAL_SPEEDUP,
+    LI_GPUS,
+    LI_OVERLAP,
+)
+from profiling.simulate.scale import (
+    PER_PARAMETER,
+    bucket_curve_is_u,
+    cap_ticks,
+    step_seconds,
+    sweep,
+)
+from profiling.simulate.shape import Shape, split
+from profiling.simulate.topology import GBIT, cost_model, halving_doubling, ring
 
 GPUS = [8, 16, 32, 64, 128, 256]
 BUCKET_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]  # Li et al.'s sweep went 0 to 200 MB
-OVERLAP_GPUS = 32  # Li et al.'s exclusive cluster: 4 servers of 8 V100
 BUCKET_GPUS = [16, 32]
-LI_OVERLAP = {"resnet50": 0.38, "bert_large": 0.35}  # Li et al., NCCL
-GOYAL_EFFICIENCY = 0.90  # from 8 to 256 GPUs
-GOYAL_SPEEDUP = 3.0  # halving-doubling over the ring, 32 servers
-GOYAL_SERVERS = 32
 SIZES = [2**12, 2**16, 2**20, 4 * 2**20, 16 * 2**20, 100 * 2**20]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    from profiling.simulate import outputs
-
     outputs.add_arguments(parser)
     parser.add_argument(
         "--shape",
@@ -53,9 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from profiling.common import report
-    from profiling.simulate import outputs, presets, shape
-
     shapes = [shape.load(path) for path in args.shape or []]  # a bad file: before any work
     have = {(m, c.batch) for (m, _), c in presets.COMPUTE.items()}
     for s in shapes:
@@ -85,10 +96,6 @@ def run(args: argparse.Namespace) -> None:
 def compare(shapes: Sequence[Shape] = ()) -> dict:
     """Every comparison; a preset whose model and batch one of `shapes` measured is
     split as measured (`presets.workload`), the others by FLOPs."""
-    from profiling.simulate import presets
-    from profiling.simulate.clusters import cluster
-    from profiling.simulate.shape import split
-
     li, goyal = cluster("li2020"), cluster("goyal2017")
 
     def workload(model: str, gpu: str):
@@ -113,8 +120,6 @@ def compare(shapes: Sequence[Shape] = ()) -> dict:
 
 def _shape_for(shapes: Sequence[Shape], model: str, gpu: str) -> Shape | None:
     """The measurement of `model` at the batch of its preset on `gpu`, if any."""
-    from profiling.simulate import presets
-
     batch = presets.COMPUTE[model, gpu].batch
     return next((s for s in shapes if s.model == model and s.batch == batch), None)
 
@@ -122,8 +127,6 @@ def _shape_for(shapes: Sequence[Shape], model: str, gpu: str) -> Shape | None:
 def li_scaling(models: dict, topo) -> dict:
     """T(p) and E(p) of both models, NCCL's flat ring, 25 MB buckets, overlapped; the
     hierarchical all-reduce beside it."""
-    from profiling.simulate.scale import sweep
-
     out = {}
     for name, w in models.items():
         for algorithm in ("ring", "hierarchical_ring"):
@@ -134,9 +137,7 @@ def li_scaling(models: dict, topo) -> dict:
 def li_overlap(models: dict, topo) -> dict:
     """At 32 GPUs, 25 MB buckets: all-reduce after backward against during it; and the
     server bandwidth at which the model's speed-up would be the paper's."""
-    from profiling.simulate.layouts import uniform_buckets
-
-    here = topo.with_gpus(OVERLAP_GPUS)
+    here = topo.with_gpus(LI_GPUS)
     out = {}
     for name, w in models.items():
         buckets = uniform_buckets(w, 25)
@@ -160,9 +161,6 @@ def li_overlap(models: dict, topo) -> dict:
 
 
 def _overlap_pair(w, buckets, topo) -> tuple[float, float]:
-    from profiling.simulate.scale import step_seconds
-    from profiling.simulate.topology import cost_model
-
     cost = cost_model(topo, "ring")
     return (step_seconds(w, buckets, cost, overlap=False), step_seconds(w, buckets, cost))
 
@@ -176,8 +174,6 @@ def _bandwidth_for(measure, target: float, topo, rises_with_bandwidth: bool) -> 
     cluster equals `target`: walk from the preset's rate by factors of two in the
     direction that moves `measure` toward `target`, then bisect (on a log scale) the
     step that crossed it. None if no rate from 0.001 to 10^6 Gbit/s crosses it."""
-    from profiling.simulate.topology import GBIT
-
     def below(gbit: float) -> bool:
         return measure(replace(topo, inter_bytes_per_s=gbit * GBIT)) < target
 
@@ -197,8 +193,6 @@ def _bandwidth_for(measure, target: float, topo, rises_with_bandwidth: bool) -> 
 
 def li_buckets(models: dict, topo) -> dict:
     """The bucket-size curve of both models at 16 and 32 GPUs, NCCL's ring."""
-    from profiling.simulate.scale import bucket_curve_is_u, sweep
-
     out = {}
     for name, w in models.items():
         result = sweep(w, topo, "ring", BUCKET_GPUS, 25, BUCKET_CAPS_MB)
@@ -214,8 +208,6 @@ def goyal_efficiency(w, topo) -> dict:
     ready (Goyal et al. aggregate each layer's gradient as backward produces it): E(p)
     for their hierarchical scheme and the flat algorithms; and the server bandwidth at
     which E(256) would be their 90%."""
-    from profiling.simulate.scale import PER_PARAMETER, sweep
-
     out = {}
     for algorithm in ("hierarchical_halving_doubling", "hierarchical_ring", "ring"):
         result = sweep(w, topo, algorithm, GPUS, 25, [])
@@ -225,7 +217,7 @@ def goyal_efficiency(w, topo) -> dict:
     ref = _per_param_step(w, topo.with_gpus(8), "hierarchical_halving_doubling")
     out["inter_gbit_for_paper"] = _bandwidth_for(
         lambda t: ref / _per_param_step(w, t, "hierarchical_halving_doubling"),
-        GOYAL_EFFICIENCY,
+        GOYAL_E256,
         at_256,
         rises_with_bandwidth=True,
     )
@@ -238,9 +230,6 @@ def sweep_per_parameter(w, topo, algorithm: str) -> list[dict]:
 
 
 def _per_param_step(w, topo, algorithm: str) -> float:
-    from profiling.simulate.scale import step_seconds
-    from profiling.simulate.topology import cost_model
-
     buckets = [[i] for i in reversed(range(len(w.grads)))]
     return step_seconds(w, buckets, cost_model(topo, algorithm))
 
@@ -250,8 +239,6 @@ def goyal_halving_doubling(w, topo) -> dict:
     halving-doubling's, for single buffers and for ResNet-50's gradients one all-reduce
     each; and the per-step latency at which a 4 MiB buffer (a million float32, their
     threshold) would show their 3x."""
-    from profiling.simulate.topology import halving_doubling, ring
-
     servers = replace(topo, nodes=GOYAL_SERVERS, gpus_per_node=1, call_latency_s=0.0)
     sizes = [
         {
@@ -282,8 +269,6 @@ def goyal_halving_doubling(w, topo) -> dict:
 
 
 def markdown(result: dict) -> dict[str, str]:
-    from profiling.common.report import markdown_table, produced_by
-
     made = produced_by([result["command"]]) + "\n\n"
     frag = {}
     rows, header = summary_rows(result), ["figure", "paper", "model", "setting"]
@@ -344,7 +329,7 @@ def markdown(result: dict) -> dict[str, str]:
     need = ge["inter_gbit_for_paper"]
     frag["goyal-efficiency"] = made + markdown_table(header, body) + (
         f"\n\nServer bandwidth at which hierarchical halving-doubling, one all-reduce per "
-        f"gradient, would give E(256) = {GOYAL_EFFICIENCY:.0%}: "
+        f"gradient, would give E(256) = {GOYAL_E256:.0%}: "
         + ("none from 0.001 Gbit/s up" if need is None else f"{need:.2f} Gbit/s") + ".\n"
     )  # fmt: skip
 
@@ -356,8 +341,8 @@ def markdown(result: dict) -> dict[str, str]:
     header = ["buffer", "ring ms", "halving-doubling ms", "ring / h-d"]
     frag["goyal-halving-doubling"] = made + markdown_table(header, body) + (
         f"\n\n{GOYAL_SERVERS} servers, one rank each, 50 Gbit/s, "
-        f"{gh['inter_latency_s'] * 1e6:g} us per step. A 4 MiB buffer shows the paper's 3× "
-        f"when a step costs {gh['alpha_for_3x_at_4mib_s'] * 1e6:.0f} us.\n"
+        f"{gh['inter_latency_s'] * 1e6:g} us per step. A 4 MiB buffer shows the paper's "
+        f"{GOYAL_SPEEDUP:g}× when a step costs {gh['alpha_for_3x_at_4mib_s'] * 1e6:.0f} us.\n"
     )  # fmt: skip
     return frag
 
@@ -383,19 +368,22 @@ def summary_rows(result: dict) -> list[list[str]]:
 
     ring_hd = per_grad["ring_s"] / per_grad["halving_doubling_s"]
     one = four_mib["ring_s"] / four_mib["halving_doubling_s"]
-    li, after = "Li et al.: ", f"{OVERLAP_GPUS} GPUs, after backward vs during"
+    li, after = "Li et al.: ", f"{LI_GPUS} GPUs, after backward vs during"
     return [
         [li + "ResNet-50, 8 → 256 GPUs", "near-linear", f"E(256) = {e256['resnet50 ring']:.3f}",
          "NCCL ring, 25 MB buckets, batch 112"],
         [li + "BERT-large, 8 → 256 GPUs", "near-linear", f"E(256) = {e256['bert_large ring']:.3f}",
          "NCCL ring, 25 MB buckets, batch 8"],
-        [li + "overlap speed-up, ResNet-50", "38%", f"{lo['resnet50']['speedup']:.1%}", after],
-        [li + "overlap speed-up, BERT", "35%", f"{lo['bert_large']['speedup']:.1%}", after],
+        [li + "overlap speed-up, ResNet-50", f"{LI_OVERLAP['resnet50']:.0%}",
+         f"{lo['resnet50']['speedup']:.1%}", after],
+        [li + "overlap speed-up, BERT", f"{LI_OVERLAP['bert_large']:.0%}",
+         f"{lo['bert_large']['speedup']:.1%}", after],
         [li + "bucket size, ResNet-50", "U, 25 MB near the bottom", curve("resnet50"), "NCCL ring"],
         [li + "bucket size, BERT", "U, 25 MB near the bottom", curve("bert_large"), "NCCL ring"],
-        ["Goyal et al.: efficiency 8 → 256 GPUs", "E(256) ≈ 0.9", f"E(256) = {hd:.3f}",
+        ["Goyal et al.: efficiency 8 → 256 GPUs", f"E(256) ≈ {GOYAL_E256:g}", f"E(256) = {hd:.3f}",
          "hierarchical, halving-doubling between servers, one all-reduce per gradient"],
-        ["Goyal et al.: halving-doubling vs ring, 32 servers", "3×",
+        [f"Goyal et al.: halving-doubling vs ring, {GOYAL_SERVERS} servers",
+         f"{GOYAL_SPEEDUP:g}×",
          f"{ring_hd:.2f}× (ResNet-50's gradients); {one:.2f}× (one 4 MiB buffer)",
          f"{gh['inter_latency_s'] * 1e6:g} us per step"],
     ]  # fmt: skip
@@ -413,14 +401,7 @@ def plot(result: dict, path) -> None:
     """Four panels: Li et al.'s scaling (E against GPUs, both models and Goyal et al.'s
     ResNet-50), the overlap's speed-up against the paper's, the bucket-size curves at 32
     GPUs, and the ring over halving-doubling against buffer size on 32 servers."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from profiling.common import report
-    from profiling.simulate.scale import cap_ticks
-
     plt.rcParams.update({"font.size": report.FIGURE_FONT_PT})
     fig, axes = plt.subplots(2, 2, figsize=(report.FIGURE_WIDTH_IN, 6.8))
     (a, b), (c, d) = axes
@@ -430,8 +411,8 @@ def plot(result: dict, path) -> None:
         a.plot(GPUS, [r["efficiency"] for r in ls[key]], marker="o", label=label)
     goyal = ge["hierarchical_halving_doubling"]["per parameter"]
     a.plot(GPUS, [r["efficiency"] for r in goyal], marker="s", label="ResNet-50 (Goyal)")
-    a.axhline(GOYAL_EFFICIENCY, color="0.5", ls="--", lw=0.8)
-    a.text(GPUS[0], GOYAL_EFFICIENCY - 0.045, "Goyal et al.: ~90% at 256", color="0.4")
+    a.axhline(GOYAL_E256, color="0.5", ls="--", lw=0.8)
+    a.text(GPUS[0], GOYAL_E256 - 0.045, f"Goyal et al.: ~{GOYAL_E256:.0%} at 256", color="0.4")
     a.set_xscale("log", base=2)
     a.set_xticks(GPUS, [str(p) for p in GPUS])
     a.set_ylim(0.4, 1.03)
@@ -452,7 +433,7 @@ def plot(result: dict, path) -> None:
               color=colour)  # fmt: skip
     b.set_xticks(list(xs), [label for _, label in names])
     b.set_ylabel("speed-up of overlapping, %")
-    b.set_title(f"overlap on NCCL, {OVERLAP_GPUS} GPUs")
+    b.set_title(f"overlap on NCCL, {LI_GPUS} GPUs")
     b.set_ylim(0, 55)
     b.legend(loc="upper center", ncols=2)
     b.grid(alpha=0.3, axis="y")
@@ -484,7 +465,8 @@ def plot(result: dict, path) -> None:
     per = gh["resnet50_per_gradient"]
     d.axhline(per["ring_s"] / per["halving_doubling_s"], color="tab:orange", lw=1,
               label="ResNet-50, one per gradient")  # fmt: skip
-    d.axhline(GOYAL_SPEEDUP, color="0.5", ls="--", lw=0.8, label="Goyal et al.: 3×")
+    d.axhline(GOYAL_SPEEDUP, color="0.5", ls="--", lw=0.8,
+              label=f"Goyal et al.: {GOYAL_SPEEDUP:g}×")  # fmt: skip
     d.set_xscale("log", base=2)
     d.set_xticks(sizes, [_size(s).replace(" ", "") for s in sizes])
     d.set_xlabel("buffer")

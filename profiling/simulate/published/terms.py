@@ -35,6 +35,9 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from profiling.analysis.formats import complete_events, is_collective, span
+from profiling.analysis.intervals import intersect, length, merge
+from profiling.analysis.runs import load_trace
 from profiling.simulate.schedule import Grad, Sharing, Workload
 
 A100_MEMORY_BYTES_PER_S = 1555e9  # A100 40GB SXM data sheet
@@ -77,9 +80,6 @@ class BesideNccl:
 
 
 def load(path: str | Path) -> list[dict]:
-    from profiling.analysis.formats import complete_events
-    from profiling.analysis.runs import load_trace
-
     return complete_events(load_trace(Path(path)))
 
 
@@ -143,9 +143,6 @@ def beside_nccl(events: list[dict]) -> BesideNccl:
     """Compute kernels wholly inside NCCL kernels' time (90% or more of them) against the
     same kernels (name, grid, block) wholly outside it: the ratio of their total time
     beside NCCL to what the same launches take alone (each shape's median alone)."""
-    from profiling.analysis.formats import is_collective, span
-    from profiling.analysis.intervals import intersect, length, merge
-
     kernels = [e for e in events if e.get("cat") == "kernel"]
     nccl = merge(span(e) for e in kernels if is_collective(e))
     alone: dict[tuple, list[float]] = {}

@@ -9,10 +9,19 @@ of two; and its comparison of `bucket_cap_mb=1` against the default 25.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
+from itertools import permutations
 
-from profiling.simulate.schedule import Workload
-from profiling.simulate.topology import Topology
+import torch.distributed as dist
+
+from profiling.common.sized_models import resnet50
+from profiling.simulate import presets, usermodel
+from profiling.simulate.clusters import GB, GBIT, NCCL_2_7, NCCL_2_7_NET_STEP_S, server
+from profiling.simulate.layouts import stand_ins
+from profiling.simulate.published.terms import GpuSharing, straggler_efficiency
+from profiling.simulate.schedule import NO_SHARING, StageSchedule, Workload, simulate
+from profiling.simulate.topology import Topology, cost_model
 
 TORCH_BENCH = "pytorch/pytorch benchmarks/distributed/ddp/README.md"
 NO_DDP = 0  # the key of the one-GPU time without DDP
@@ -48,15 +57,11 @@ TORCH_BENCH_CAP_1_VS_25 = {g: TORCH_BENCH_CAP_1_DIFF[g][0] for g in (8, 16)}
 def resnext50_32x4d(device: str | None = None):
     """torchvision.models.resnext50_32x4d(): ResNet-50 with 32 groups of 4 channels in
     each 3x3 convolution (Xie et al., "Aggregated Residual Transformations")."""
-    from profiling.simulate.presets import resnet50
-
     return resnet50(device, groups=32, width_per_group=4)
 
 
 def resnext101_32x8d(device: str | None = None):
     """torchvision.models.resnext101_32x8d(): ResNet-101 with 32 groups of 8 channels."""
-    from profiling.simulate.presets import resnet50
-
     return resnet50(device, depth=101, groups=32, width_per_group=8)
 
 
@@ -72,8 +77,6 @@ def torch_bench_cluster():
     """The benchmark's DGX-1 servers: 8 Tesla V100 on NVLink (the hybrid cube mesh its
     `nvidia-smi topo` prints), 4 x 100 Gbit/s InfiniBand per server, NCCL with PyTorch
     1.4. Line rates; latencies NCCL 2.7.5's, the nearest modelled to the benchmark's."""
-    from profiling.simulate.clusters import GB, GBIT, NCCL_2_7, NCCL_2_7_NET_STEP_S, server
-
     return server("V100", 900, 150 * GB, 400 * GBIT, {
         "gpus_per_node": TORCH_BENCH + ": DGX-1, 8 V100",
         "intra_bytes_per_s": "V100 SXM2 data sheet: NVLink 6 x 25 GB/s each way (line rate)",
@@ -86,8 +89,6 @@ def torch_bench_cluster():
 def torch_bench_workload(model: str) -> Workload:
     """The model at 32 images per GPU on one V100, from the benchmark's own time without
     DDP; the optimizer (SGD with momentum) at the V100's memory bandwidth."""
-    from profiling.simulate import presets, usermodel
-
     prof = usermodel.profile(FACTORIES[model], (3, 224, 224))
     optimizer_s = prof.parameters * presets.SGD_MOMENTUM_BYTES / TORCH_BENCH_MEMORY_BYTES_PER_S
     return usermodel.workload(prof, TORCH_BENCH_P50_S[model][NO_DDP], optimizer_s)
@@ -96,8 +97,6 @@ def torch_bench_workload(model: str) -> Workload:
 def torch_bench_step_s(workload, gpus: int, bucket_cap_mb: float = 25.0, sharing=None) -> float:
     """One iteration of torch 1.4's DDP on `gpus` V100 of the benchmark's cluster: its
     layout (`torch14_buckets`), overlapped, NCCL's ring."""
-    from profiling.simulate.topology import cost_model
-
     buckets = torch14_buckets(workload, bucket_cap_mb)
     return step_s(workload, buckets, cost_model(torch_bench_topology(gpus), "ring"), sharing)
 
@@ -109,10 +108,6 @@ def torch14_buckets(workload, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     their gradients don't spill into a much larger bucket, adding unnecessary latency
     after gradient computation finishes", its comment), then `bucket_cap_mb`; the
     list reversed, so that the 1 MiB bucket is launched last."""
-    import torch.distributed as dist
-
-    from profiling.simulate.layouts import stand_ins
-
     params = [p for _, p in stand_ins(workload)]
     caps = [min(2**20, int(bucket_cap_mb * 2**20)), int(bucket_cap_mb * 2**20)]
     buckets, _ = dist._compute_bucket_assignment_by_size(
@@ -126,8 +121,6 @@ def torch_bench_topology(gpus: int) -> Topology:
     """The benchmark's `gpus`: GPUs 0 to gpus - 1 of one server, or whole servers. Inside
     one server, the NVLink bandwidth of the rings NCCL can lay over those GPUs: 1 ring
     on GPUs 0-1 (one NVLink between them), 4 on 0-3, 6 on all 8."""
-    from dataclasses import replace
-
     topo = torch_bench_cluster().topology.with_gpus(gpus)
     if 1 < gpus <= topo.gpus_per_node:
         rings = nvlink_rings(DGX1_NVLINKS, gpus)
@@ -143,8 +136,6 @@ def nvlink_rings(links: list[list[int]], gpus: int) -> int:
     enters and leaves every GPU once, one way round, and uses one NVLink of each pair
     it joins in that direction (a pair of `links[u][v]` NVLinks carries that many rings
     each way). Two GPUs make one ring per link between them."""
-    from itertools import permutations
-
     ring_edges = []
     for rest in permutations(range(1, gpus)):
         order = (0, *rest)
@@ -177,9 +168,6 @@ def nvlink_rings(links: list[list[int]], gpus: int) -> int:
 
 def step_s(workload, buckets: list[list[int]], cost, sharing=None, overlap: bool = True) -> float:
     """The step with `sharing`'s terms (a `terms.GpuSharing` made for these buckets)."""
-    from profiling.simulate.published.terms import GpuSharing
-    from profiling.simulate.schedule import NO_SHARING, StageSchedule, simulate
-
     sharing = sharing or NO_SHARING
     if isinstance(sharing, GpuSharing):
         sharing = sharing.for_buckets(workload, buckets)
@@ -190,8 +178,6 @@ def cost_per_bucket() -> list[dict]:
     """What each extra bucket of the 1 MiB cap cost in the benchmark (its diff: the
     change times the iteration), against the latency NCCL's model gives one all-reduce
     at that GPU count (the step model's, which it hides under backward)."""
-    from profiling.simulate.topology import cost_model
-
     w = torch_bench_workload("resnet50")
     extra = len(torch14_buckets(w, 1.0)) - len(torch14_buckets(w, 25.0))
     out = []
@@ -208,8 +194,6 @@ def straggler_bound() -> dict:
     """What stragglers can cost, from the spread torch's benchmark shows on one GPU:
     its p95 - p50 under the 1 ms its README prints (a normal law's p95 is 1.645 sigma
     above its median)."""
-    from profiling.simulate.published.terms import straggler_efficiency
-
     p50 = TORCH_BENCH_P50_S["resnet50"][NO_DDP]
     sigma = 1e-3 / 1.645 / p50
     return {
