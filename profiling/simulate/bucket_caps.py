@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus", default="8,16,32,64,128,256",
         help="GPU counts, comma-separated (default: %(default)s)",
     )  # fmt: skip
-    outputs.add_arguments(parser)
+    outputs.add_arguments(parser, docs=False)  # no page includes its table
     parser.add_argument("--markdown", help="write the table here too")
 
 

@@ -13,16 +13,21 @@ from pathlib import Path
 DEFAULT_OUT = Path("runs", "simulate")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, docs: bool = True) -> None:
+    """--out, --no-files, and --docs for a command whose output a docs page includes
+    (docs/results holds only what a page includes)."""
     group = parser.add_argument_group("outputs")
     group.add_argument(
         "--out", type=Path,
         help=f"folder for the results (default: {DEFAULT_OUT}/ in the current directory)",
     )  # fmt: skip
-    group.add_argument(
-        "--docs", action="store_true",
-        help="refresh the docs' own results and figures in this checkout instead",
-    )  # fmt: skip
+    if docs:
+        group.add_argument(
+            "--docs", action="store_true",
+            help="refresh the docs' own tables and figures in this checkout instead",
+        )  # fmt: skip
+    else:
+        parser.set_defaults(docs=False)
     group.add_argument("--no-files", action="store_true", help="print only")
 
 

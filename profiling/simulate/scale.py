@@ -25,7 +25,7 @@ The bucket-size curve is the step time at each bucket_cap_mb of --bucket-caps (M
 the stages' layout rule), plus one bucket per parameter and a single bucket for all.
 Every output begins with the model's and the cluster's numbers, each with its source.
 Writes a results JSON, a Markdown fragment and a figure under runs/simulate/ (or
---out); --docs refreshes the docs' own; --json FILE writes the JSON there too.
+--out); --docs refreshes the docs' own table and figure; --json FILE writes the JSON.
 """
 
 from __future__ import annotations
@@ -210,11 +210,14 @@ def run(args: argparse.Namespace) -> None:
     json_path = results / f"{stem}.json"
     md_path = args.markdown or results / f"{stem}.md"
     plot_path = args.plot or images / f"{stem}.png"
-    report.write_json(json_path, result)
+    written = [md_path, plot_path]
+    if not args.docs:  # the docs include the table and the figure, never the JSON
+        report.write_json(json_path, result)
+        written.insert(0, json_path)
     with open(md_path, "w") as f:
         f.write(markdown(result))
     plot(result, plot_path)
-    print(f"wrote {json_path}, {md_path}, {plot_path}")
+    print("wrote " + ", ".join(map(str, written)))
 
 
 # ---------------------------------------------------------------------------------------

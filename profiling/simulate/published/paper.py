@@ -13,7 +13,7 @@ Each comparison runs `schedule.simulate` on a preset (`presets`: published model
 and iteration times, the papers' clusters, NCCL's latencies) and, where the model misses
 the paper's figure, asks what the cluster would have had to be for the model to meet it.
 Writes paper.json, one Markdown fragment per comparison (paper-*.md) and paper.png
-under runs/simulate/ (or --out); --docs refreshes the docs' own.
+under runs/simulate/ (or --out); --docs refreshes the docs' own fragments and figure.
 """
 
 from __future__ import annotations
@@ -82,11 +82,13 @@ def run(args: argparse.Namespace) -> None:
     if args.no_files:
         return
     results, images = outputs.folders(args)
-    report.write_json(results / "paper.json", result)
+    if not args.docs:  # the docs include the fragments and the figure, never the JSON
+        report.write_json(results / "paper.json", result)
+        print(f"wrote {results}/paper.json")
     for name, text in fragments.items():
         (results / f"paper-{name}.md").write_text(text)
     plot(result, images / "paper.png")
-    print(f"wrote {results}/paper.json, {results}/paper-*.md, {images}/paper.png")
+    print(f"wrote {results}/paper-*.md, {images}/paper.png")
 
 
 # ---------------------------------------------------------------------------------------
