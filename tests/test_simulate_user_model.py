@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from profiling.simulate import clusters, model_args, scale, usermodel
 from profiling.simulate.topology import GB, GBIT
@@ -266,3 +267,167 @@ def test_a_presets_optimizer_and_input_are_its_own_unless_given():
 def test_a_model_that_fails_on_its_input_is_named():
     with pytest.raises(ValueError, match="failed on a batch of 2 of --input-shape 1,32,32"):
         usermodel.profile(CNN, (1, 32, 32))
+
+
+# --- FLOPs of grouped convolutions -----------------------------------------------------
+
+
+def conv_flops(n: int, cin: int, cout: int, groups: int, k: int, positions: int) -> int:
+    """By hand: a multiply and an add per weight element per position (output positions,
+    or input ones for a transposed convolution), each output channel seeing Cin / groups."""
+    return 2 * n * cout * positions * (cin // groups) * k * k
+
+
+@pytest.mark.parametrize(
+    "groups,cin,cout,transposed",
+    [(32, 64, 64, False), (64, 64, 64, False), (32, 32, 64, False), (1, 64, 64, False),
+     (32, 64, 64, True)],
+    ids=["grouped", "depthwise", "depthwise-x2", "dense", "grouped-transposed"],
+)  # fmt: skip
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+def test_a_convolutions_backward_is_its_forward_per_gradient(groups, cin, cout, transposed,
+                                                             input_grad):  # fmt: skip
+    # backward = the input's gradient + the weight's, each the forward's FLOPs; torch's
+    # formula counts the weight's `groups` times over (33x the forward for groups=32).
+    with torch.device("meta"):
+        conv = (torch.nn.ConvTranspose2d if transposed else torch.nn.Conv2d)(
+            cin, cout, 3, groups=groups, bias=False
+        )
+        x = torch.randn(2, cin, 56, 56, requires_grad=input_grad)
+    mapping = {torch.ops.aten.convolution_backward: usermodel.conv_backward_flops}
+    counter = FlopCounterMode(display=False, custom_mapping=mapping)
+    with counter:
+        y = conv(x)
+        forward = counter.get_total_flops()
+        y.sum().backward()
+        backward = counter.get_total_flops() - forward
+    if transposed:  # per input position, each input channel reaching Cout / groups
+        hand = conv_flops(2, cout, cin, groups, 3, 56 * 56)
+    else:
+        hand = conv_flops(2, cin, cout, groups, 3, 54 * 54)
+    assert forward == hand
+    assert backward == (2 if input_grad else 1) * hand
+
+
+def test_grouped_and_depthwise_ready_times_by_hand():
+    # A grouped convolution first (its input needs no gradient), a depthwise one after.
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(64, 64, 3, groups=32, bias=False),
+            torch.nn.Conv2d(64, 64, 3, groups=64, bias=False),
+        )
+        x = torch.randn(2, 64, 16, 16)
+    first, second = conv_flops(2, 64, 64, 32, 3, 14 * 14), conv_flops(2, 64, 64, 64, 3, 12 * 12)
+    backward = first + 2 * second  # the first: its weight's gradient only
+    p = usermodel.flops_profile(model, x)
+    assert p.forward_fraction == pytest.approx((first + second) / (first + second + backward))
+    assert p.ready_fraction == pytest.approx({"1.weight": 2 * second / backward, "0.weight": 1.0})
+
+
+def test_resnext_forward_is_a_third_of_forward_and_backward():
+    # ResNeXt-101 32x4d: with the weight's gradient counted 32 times on every 3x3
+    # convolution, forward was 0.21 of forward and backward; a GPU's timed split is 0.41.
+    from profiling.common.sized_models import resnet50
+
+    model = resnet50("meta", depth=101, groups=32, width_per_group=4)
+    p = usermodel.flops_profile(model, torch.randn(2, 3, 224, 224, device="meta"))
+    assert 0.33 < p.forward_fraction < 0.34
+    assert usermodel.FLOPS_METHOD.endswith("grouped convolutions counted per group")
+    _, lines, settings = workload_of("--model", "resnet50", "--input-shape", "3,64,64",
+                                     "--batch-size", "32", "--iteration-ms", "50")  # fmt: skip
+    assert lines[3].endswith(f"[{usermodel.FLOPS_METHOD}]") and settings["ready"] == (
+        usermodel.FLOPS_METHOD
+    )
+
+
+# --- a sequence longer than the model's positions ----------------------------------------
+
+TINY_BERT = "tests.fixtures.user_models:tiny_bert"  # 16 positions
+
+
+@pytest.mark.parametrize("method", usermodel.READY_METHODS)
+def test_a_sequence_longer_than_the_positions_is_refused(method):
+    # On the meta device, looking up position 16 of 16 runs; on a GPU it fails.
+    with pytest.raises(ValueError) as refused:
+        usermodel.profile(TINY_BERT, (17,), method)
+    assert str(refused.value) == (
+        "--input-shape 17: longer than the model's 16 positions (its position embedding "
+        "bert.embeddings.position_embeddings); give a sequence length of at most 16"
+    )
+    assert usermodel.profile(TINY_BERT, (16,), "flops").forward_fraction > 0
+
+
+def test_bert_large_at_1024_tokens_is_refused():
+    with pytest.raises(ValueError, match=r"^--input-shape 1024: longer than the model's 512 "):
+        workload_of("--model", "bert_large", "--input-shape", "1024", "--batch-size", "8",
+                    "--iteration-ms", "100")  # fmt: skip
+
+
+def test_position_tables_are_found_by_name():
+    with torch.device("meta"):
+        gpt2 = torch.nn.Module()
+        gpt2.wte, gpt2.wpe = torch.nn.Embedding(50257, 8), torch.nn.Embedding(1024, 8)
+        roberta = torch.nn.Module()  # positions numbered after the padding row, 1
+        roberta.word_embeddings = torch.nn.Embedding(50265, 8)
+        roberta.position_embeddings = torch.nn.Embedding(514, 8, padding_idx=1)
+        tagger = torch.nn.Module()  # part-of-speech tags, not positions
+        tagger.embed, tagger.pos_tags = torch.nn.Embedding(100, 8), torch.nn.Embedding(17, 8)
+    assert usermodel.position_limit(gpt2) == ("wpe", 1024)
+    assert usermodel.position_limit(roberta) == ("position_embeddings", 512)
+    assert usermodel.position_limit(tagger) is None
+    assert usermodel.example_input(tagger, (4096,), 2, "meta").shape == (2, 4096)
+
+
+# --- progress while measuring ----------------------------------------------------------
+
+
+def test_progress_says_where_and_how_long_every_few_seconds():
+    now, lines = [100.0], []
+    progress = usermodel.Progress("measuring m", every_s=5, clock=lambda: now[0],
+                                  write=lines.append)  # fmt: skip
+    progress.update("step 1 of 4 (warm-up 1 of 1), forward")
+    now[0] += 4
+    progress.poll()  # 4 s since the last line: none
+    ready = [3]
+    progress.update(lambda: f"step 1 of 4 (warm-up 1 of 1), backward, {ready[0]} of 9 ready")
+    ready[0], now[0] = 7, now[0] + 5
+    progress.poll()
+    assert lines == [
+        "measuring m: step 1 of 4 (warm-up 1 of 1), forward; 0 s elapsed",
+        "measuring m: step 1 of 4 (warm-up 1 of 1), backward, 3 of 9 ready; 4 s elapsed",
+        "measuring m: step 1 of 4 (warm-up 1 of 1), backward, 7 of 9 ready; 9 s elapsed",
+    ]
+
+
+class SlowForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.6)  # a long forward, as a large model's is on a CPU
+        return self.linear(x)
+
+
+def test_a_long_step_is_reported_while_it_runs():
+    lines: list[str] = []
+    with usermodel.Progress("measuring slow", every_s=0.1, write=lines.append) as progress:
+        usermodel.measure(SlowForward(), torch.randn(2, 4), "cpu", repeats=1, warmup=0,
+                          progress=progress)  # fmt: skip
+    during = [line for line in lines if "step 1 of 1 (timed 1 of 1), forward;" in line]
+    assert len(during) >= 3, lines  # the update, then the thread's while forward sleeps
+    assert any("backward, " in line and "of 2 gradients ready" in line for line in lines)
+
+
+def test_ready_measured_prints_its_progress_on_stderr(capsys):
+    usermodel.profile(CNN, (3, 32, 32), "measured")
+    err = capsys.readouterr().err.splitlines()
+    what = f"measuring {CNN} at batch 2 of --input-shape 3,32,32 on cpu: "
+    assert all(line.startswith(what) and line.endswith(" s elapsed") for line in err), err
+    states = [line.removeprefix(what).rsplit(";", 1)[0] for line in err]
+    assert states[0] == "building it on cpu" and states[-1] == "done"
+    for step, kind in [(1, "warm-up 1 of 1"), (2, "timed 1 of 3"), (4, "timed 3 of 3")]:
+        assert f"step {step} of 4 ({kind}), forward" in states
+        assert f"step {step} of 4 ({kind}), backward, 0 of 6 gradients ready" in states

@@ -12,6 +12,7 @@ import torch
 from profiling.simulate import presets
 from profiling.simulate.usermodel import (
     DTYPE_BYTES,
+    FLOPS_METHOD,
     MEASURE_BATCH,
     OPTIMIZER_BYTES,
     READY_METHODS,
@@ -37,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser, default: str | None = "resnet
     add("--dtype", choices=list(DTYPE_BYTES), default="fp32",
         help="the gradients' dtype, which sets their bytes (default: %(default)s)")
     add("--ready", choices=READY_METHODS, default="flops",
-        help="when each gradient is ready: backward's FLOPs on the meta device, or one "
-        "backward timed on this CPU (default: %(default)s)")
+        help="when each gradient is ready: backward's FLOPs on the meta device (grouped "
+        "convolutions counted per group), or a few steps timed on this CPU, with progress on "
+        "stderr (default: %(default)s)")
     add("--optimizer", choices=list(OPTIMIZER_BYTES),
         help="whose memory traffic sets the optimizer's time (default: a preset's own, "
         "else sgd)")
@@ -91,7 +93,7 @@ def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
         optimizer_s = prof.parameters * OPTIMIZER_BYTES[optimizer] / memory_bytes_per_s
         optimizer_source = (f"{optimizer}: {OPTIMIZER_BYTES[optimizer]} B per parameter at "
                             f"the {gpu}'s memory bandwidth")  # fmt: skip
-        ready = "backward's FLOPs on the meta device"
+        ready = FLOPS_METHOD
         if prof.method == "measured":
             ready = f"one backward timed on this CPU at batch {MEASURE_BATCH}"
     w = workload(prof, iteration_s, optimizer_s, args.dtype)

@@ -15,9 +15,14 @@ What the step model needs from it (`schedule.Workload`):
     - `flops` (the default): one forward and backward on the meta device under
       torch's FLOP counter; a gradient is ready when backward has done the FLOPs it
       had done when the gradient's accumulate hook fired. Memory-bound operations
-      (norms, activations) count no FLOPs, so they take no time here;
+      (norms, activations) count no FLOPs, so they take no time here. A convolution's
+      backward is counted here (`conv_backward_flops`), per group: torch's own formula
+      leaves `groups` out of the weight's gradient, counting a grouped convolution's
+      backward `groups` times too many FLOPs;
     - `measured`: the module built for real and trained a few steps on this machine's
       CPU at batch 2 (`measure`), each gradient's ready time stamped by the same hook;
+      a large model takes minutes, so it says on stderr which step of how many it is
+      on, and the time elapsed, every few seconds (`Progress`);
   forward's share of forward and backward comes from the same method;
 - **the iteration time**: `--iteration-ms`, one GPU's forward, backward and optimizer
   at `--batch-size`; without it, on a machine with a GPU, measured there (`measure`
@@ -35,15 +40,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import statistics
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from ddp.clock import DeviceClock
 from profiling.simulate.schedule import Grad, Workload
@@ -52,6 +60,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 READY_METHODS = ("flops", "measured")
 MEASURE_BATCH = 2  # `measured`: small, so a large model fits in this machine's memory
 MEASURE_REPEATS = 3  # timed steps after one untimed
+PROGRESS_EVERY_S = 5.0  # `measured`: a line on stderr at least this often
 OPTIMIZER_BYTES = {"sgd": 5 * 4, "adam": 7 * 4}  # float32 bytes per parameter, read and written
 
 
@@ -121,9 +130,28 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+# An nn.Embedding of learned positions, by its name: BERT's `position_embeddings`, GPT-2's
+# `wpe`, BART's `embed_positions`, `pos_emb`, `positional_embedding`, ...
+POSITION_EMBEDDING = re.compile(r"(^|\.)wpe$|position|pos_?emb|embed_?pos", re.IGNORECASE)
+
+
+def position_limit(model) -> tuple[str, int] | None:
+    """(name, longest sequence) of `model`'s smallest learned-position table, an
+    nn.Embedding named for positions; None if it has none (sinusoidal or rotary
+    positions have no table to run off). A table with a padding row (RoBERTa's: 514
+    rows, padding at 1) numbers positions after it, so holds that many fewer. Found by
+    name, so a table named otherwise goes unchecked here."""
+    tables = [(m.num_embeddings - (0 if m.padding_idx is None else m.padding_idx + 1), name)
+              for name, m in model.named_modules()
+              if isinstance(m, nn.Embedding) and POSITION_EMBEDDING.search(name)]  # fmt: skip
+    return (min(tables)[1], min(tables)[0]) if tables else None
+
+
 def example_input(model, input_shape: Sequence[int], batch: int, device: str):
     """A batch for `model`: float samples of `input_shape`, or, for one number, token ids
-    of that sequence length below the model's first embedding's vocabulary."""
+    of that sequence length below the model's first embedding's vocabulary. A sequence
+    longer than the model's learned positions is refused: on a GPU looking up a position
+    past the table fails, but on the meta device no index is checked."""
     if len(input_shape) > 1:
         return torch.randn(batch, *input_shape, device=device)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -131,6 +159,13 @@ def example_input(model, input_shape: Sequence[int], batch: int, device: str):
         raise ValueError(
             f"--input-shape {input_shape[0]}: one number is a token model's sequence length, "
             "but the model has no nn.Embedding; give a sample's shape, e.g. 3,224,224"
+        )
+    limit = position_limit(model)
+    if limit and input_shape[0] > limit[1]:
+        raise ValueError(
+            f"--input-shape {input_shape[0]}: longer than the model's {limit[1]} positions "
+            f"(its position embedding {limit[0]}); give a sequence length of at most "
+            f"{limit[1]}"
         )
     vocab = embeddings[0].num_embeddings
     return torch.randint(0, vocab, (batch, input_shape[0]), device=device)
@@ -163,12 +198,36 @@ def _named_failure(x):
         ) from None
 
 
+# How `flops` counts, as the command line says it.
+FLOPS_METHOD = "backward's FLOPs on the meta device, grouped convolutions counted per group"
+
+
+def conv_backward_flops(
+    grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+    _output_padding, _groups, output_mask, out_shape=None, **kwargs,
+) -> int:  # fmt: skip
+    """FLOPs of `aten.convolution_backward`, for `FlopCounterMode(custom_mapping=...)`:
+    the input's gradient and the weight's each take the forward's FLOPs (each is one
+    convolution of the same products, regrouped), `2 * N * Cout * (Cin / groups) * kh * kw`
+    per output position (per input position for a transposed convolution); the bias's
+    gradient is a sum, no FLOPs. `grad_out_shape` is the forward's output's shape.
+
+    torch's `conv_backward_flop` counts the weight's gradient as a convolution over all
+    `Cin` input channels, not `Cin / groups`: `groups` times too many, 32 on ResNeXt's
+    3x3 convolutions, 64 on a depthwise one of 64 channels."""
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * (bool(output_mask[0]) + bool(output_mask[1]))
+
+
 # --8<-- [start:flops]
 def flops_profile(model, x) -> Profile:
     """Backward's shape by FLOPs, on the meta device: forward's FLOPs against backward's,
-    and the FLOPs backward had done when each gradient's accumulate hook fired."""
+    and the FLOPs backward had done when each gradient's accumulate hook fired.
+    Convolutions' backward by `conv_backward_flops`, per group."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten.convolution_backward: conv_backward_flops}
+    )
     done_at: dict[str, int] = {}
 
     def hook(name: str) -> Callable[[object], None]:
@@ -199,6 +258,59 @@ def flops_profile(model, x) -> Profile:
 # --8<-- [end:flops]
 
 
+class Progress:
+    """Lines on stderr while a measurement runs, so that a long one shows it is alive:
+    what is measured, where it is (`update`: a string, or a callable for a count that
+    changes, such as gradients ready) and the seconds elapsed; one at each `update`,
+    and, in between, one every `every_s` seconds from a thread while in `with` (torch's
+    operators release the GIL, so it runs during a long forward or backward).
+    `clock` and `write` are for tests."""
+
+    def __init__(
+        self, what: str, every_s: float = PROGRESS_EVERY_S, *,
+        clock: Callable[[], float] = time.monotonic, write: Callable[[str], object] | None = None,
+    ) -> None:  # fmt: skip
+        self.what, self.every_s, self.clock = what, every_s, clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.start = self.last = clock()
+        self.state: str | Callable[[], str] = "starting"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def line(self) -> str:
+        state = self.state() if callable(self.state) else self.state
+        return f"{self.what}: {state}; {self.clock() - self.start:.0f} s elapsed"
+
+    def emit(self) -> None:
+        with self._lock:
+            self.last = self.clock()
+            self.write(self.line())
+
+    def update(self, state: str | Callable[[], str]) -> None:
+        self.state = state
+        self.emit()
+
+    def poll(self) -> None:
+        """A line if none for `every_s` seconds."""
+        if self.clock() - self.last >= self.every_s:
+            self.emit()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self.every_s, 1.0)):
+            self.poll()
+
+    def __enter__(self) -> Progress:
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 @dataclass(frozen=True)
 class Timing:
     """One measured training step's phases, medians over the timed steps."""
@@ -210,12 +322,13 @@ class Timing:
 
 def measure(
     model, x, device: str, *, repeats: int = MEASURE_REPEATS, warmup: int = 1,
-    optimizer: str = "sgd",
+    optimizer: str = "sgd", progress: Progress | None = None,
 ) -> tuple[Profile, Timing]:  # fmt: skip
     """Train `repeats` steps after `warmup` untimed ones: forward with the loss, backward,
     the optimizer's step. Marks by `ddp.clock.DeviceClock` (CUDA events on a GPU, so a
     gradient's mark is when the GPU finished it); each step starts on an idle device.
-    Medians of forward's share, each gradient's ready fraction and each phase."""
+    Medians of forward's share, each gradient's ready fraction and each phase.
+    `progress`, if given, is told each step and phase (and gradients ready so far)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     clock = DeviceClock(torch.device(device))
@@ -230,15 +343,30 @@ def measure(
 
     handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in named]
     steps = []
+
+    def tell(step: int, phase: str) -> None:
+        if progress is None:
+            return
+        kind = f"warm-up {step + 1} of {warmup}" if step < warmup else (
+            f"timed {step - warmup + 1} of {repeats}")  # fmt: skip
+        where = f"step {step + 1} of {warmup + repeats} ({kind}), {phase}"
+        if phase == "backward":
+            progress.update(lambda: f"{where}, {len(marks)} of {len(named)} gradients ready")
+        else:
+            progress.update(where)
+
     try:
         for step in range(warmup + repeats):
             marks.clear()
+            tell(step, "forward")
             start = clock.mark()
             with _named_failure(x):
                 loss = _loss(model(x))
                 backward_start = clock.mark()
+                tell(step, "backward")
                 loss.backward()
             backward_end = clock.mark()
+            tell(step, "optimizer")
             optimizer_.step()
             optimizer_.zero_grad(set_to_none=True)
             end = clock.mark()
@@ -266,13 +394,24 @@ def measure(
 def measure_spec(
     spec: str, input_shape: Sequence[int], batch: int, device: str, **kwargs
 ) -> tuple[Profile, Timing]:
-    """`measure` of the model `spec` names, built for real on `device`, seeded."""
-    model = build(load_factory(spec), spec, device)
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        x = example_input(model, input_shape, batch, device)
-        return measure(model, x, device, **kwargs)
+    """`measure` of the model `spec` names, built for real on `device`, seeded; with a
+    line on stderr every few seconds (`Progress`) unless `progress=None` is given."""
+    factory = load_factory(spec)
+    shape = ",".join(map(str, input_shape))
+    progress = kwargs.pop("progress", Progress(f"measuring {spec} at batch {batch} of "
+                                               f"--input-shape {shape} on {device}"))  # fmt: skip
+    with progress or contextlib.nullcontext():
+        if progress:
+            progress.update(f"building it on {device}")
+        model = build(factory, spec, device)
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            x = example_input(model, input_shape, batch, device)
+            result = measure(model, x, device, progress=progress, **kwargs)
+        if progress:
+            progress.update("done")
+        return result
 
 
 def profile(spec: str, input_shape: Sequence[int], method: str = "flops") -> Profile:
