@@ -46,13 +46,15 @@ def ours_and_torchs(rank: int, group: dist.ProcessGroup, train, stage: str, *arg
 
 
 def run_both(pool, world_size: int, train, stage: str, *args) -> list[tuple]:
-    return check_no_errors(pool.run(world_size, ours_and_torchs, train, stage, *args, timeout_s=60))
+    return check_no_errors(
+        pool.run(world_size, ours_and_torchs, train, stage, *args, timeout_s=120)
+    )
 
 
 def run_checked(pool, world_size: int, fn, *args) -> list:
     """fn(rank, group, *args) on every rank; the first rank's error fails the test, and
-    so does a hang after 30 s instead of blocking CI."""
-    return check_no_errors(pool.run(world_size, fn, *args, timeout_s=30))
+    so does a hang after 120 s instead of blocking CI."""
+    return check_no_errors(pool.run(world_size, fn, *args, timeout_s=120))
 
 
 def assert_same(ours: dict, theirs: dict, where: str, tol: dict = TIGHT) -> None:

@@ -29,7 +29,7 @@ def profile_logdir(tmp_path_factory) -> Path:
         "--warmup-steps", "2", "--profile-steps", "2", "--profile-dir", str(logdir),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return logdir
 
@@ -47,3 +47,63 @@ def results(traces):
     from profiling.analysis import analyse_runs
 
     return {(r.run, r.rank): r for r in analyse_runs(traces)}
+
+
+# Loaded at start-up by every Python process whose PYTHONPATH starts with its folder
+# (torchrun's agent and every worker it starts): records each call that would make a
+# process group or the store its ranks meet at, by process and RANK, and that it loaded.
+GROUP_HOOK = """
+import os
+import sys
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+def _note(what):
+    with open(os.environ["DDP_TEST_GROUP_LOG"], "a") as log:
+        log.write(f"pid {os.getpid()} rank {os.environ.get('RANK', '-')}: {what}\\n")
+
+def _recorded(name, call):
+    def recorded(*args, **kwargs):
+        _note(name)
+        return call(*args, **kwargs)
+    return recorded
+
+for _module, _name in [
+    (dist, "init_process_group"), (c10d, "init_process_group"),
+    (dist, "rendezvous"), (sys.modules["torch.distributed.rendezvous"], "rendezvous"),
+]:
+    setattr(_module, _name, _recorded(_name, getattr(_module, _name)))
+_note("hook loaded")
+"""
+
+
+class GroupLog:
+    """What GROUP_HOOK recorded in the processes of one test."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def made(self, ranks: int) -> list[str]:
+        """The calls that make a process group or its store, after checking that the hook
+        was loaded in each of the `ranks` workers (else an empty list would prove nothing)."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        loaded = {line.split(":")[0].split()[-1] for line in lines if line.endswith("hook loaded")}
+        expected = {str(rank) for rank in range(ranks)}
+        assert loaded >= expected, f"the hook did not load in every rank: {lines}"
+        return [line for line in lines if not line.endswith("hook loaded")]
+
+
+@pytest.fixture
+def group_log(tmp_path: Path, monkeypatch) -> GroupLog:
+    """Records, in the Python processes the test starts from now on (torchrun, its
+    workers), every call that would make a process group or its rendezvous store."""
+    hook = tmp_path / "group_hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(GROUP_HOOK)
+    path = tmp_path / "groups.log"
+    monkeypatch.setenv("DDP_TEST_GROUP_LOG", str(path))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    )
+    return GroupLog(path)

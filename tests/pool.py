@@ -11,6 +11,7 @@ import pickle
 import queue
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,15 +99,16 @@ class GlooPool:
         ]
         for p in self.procs:
             p.start()
-        self._collect(self.world, timeout_s=120)
+        self._collect(self.world, timeout_s=600)  # MAX_WORLD imports of torch on 2 cores
 
     def run(
-        self, world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60
+        self, world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120
     ) -> list[Any]:
         """Run fn(rank, group, *args) on ranks 0..world_size-1; results by rank.
 
-        A rank that raised gives a RankError. An example that hangs restarts the pool
-        (its workers are stuck in a collective) and raises TimeoutError."""
+        A rank that raised gives a RankError. An example that hangs (no answer in
+        `timeout_s`), or whose worker died (as soon as it is seen), restarts the pool (its
+        workers are stuck in a collective) and raises TimeoutError."""
         for rank in range(world_size):
             self.inboxes[rank].put((world_size, fn, args))
         try:
@@ -117,21 +119,32 @@ class GlooPool:
             raise
 
     def _collect(self, n: int, timeout_s: float) -> list[Any]:
+        """The answers of ranks 0..n-1. Without one after `timeout_s` (a hang), or once a
+        silent rank's worker is seen dead (it never will answer), TimeoutError."""
         results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
         while len(results) < n:
+            left_s = deadline - time.monotonic()
             try:
-                rank, value = self.outbox.get(timeout=timeout_s)
+                rank, value = self.outbox.get(timeout=min(1.0, max(left_s, 0.0)))
             except queue.Empty:
-                silent = sorted(set(range(n)) - set(results))
-                raise TimeoutError(
-                    f"ranks {silent} gave no answer in {timeout_s} s: {self._why(silent)}"
-                ) from None
-            results[rank] = pickle.loads(value)  # from our own workers
+                rank = None
+            if rank is not None:
+                results[rank] = pickle.loads(value)  # from our own workers
+                continue
+            silent = sorted(set(range(n)) - set(results))
+            if self._dead(silent):
+                raise TimeoutError(f"ranks {silent} gave no answer: {self._why(silent)}")
+            if left_s <= 0:
+                raise TimeoutError(f"ranks {silent} gave no answer in {timeout_s} s: a hang")
         return [results[r] for r in range(n)]
+
+    def _dead(self, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if not self.procs[r].is_alive()]
 
     def _why(self, silent: list[int]) -> str:
         """A hang, unless a silent rank's worker is gone: then how it ended."""
-        dead = [(r, self.procs[r].exitcode) for r in silent if not self.procs[r].is_alive()]
+        dead = [(r, self.procs[r].exitcode) for r in self._dead(silent)]
         if not dead:
             return "a hang"
         return "; ".join(

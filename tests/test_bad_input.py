@@ -17,7 +17,7 @@ from tests.adapters import build_wrapper, stages_from
 from tests.nets import Net, NetSpec, build_net
 from tests.pool import RankError
 
-SECONDS = 20  # a hang fails the test after this long instead of blocking CI
+SECONDS = 120  # a hang fails the test after this long instead of blocking CI
 
 
 def errors_on_every_rank(runs: list, world_size: int) -> list[RankError]:

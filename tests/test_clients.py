@@ -16,5 +16,5 @@ from tests.clients.run import run_flow  # noqa: E402
 
 @pytest.mark.parametrize("flow", ["plain", "accelerate-sync"])
 def test_client_passes_with_the_drop_in(flow: str) -> None:
-    result = run_flow(flow, drop_in=True, timeout=120)
+    result = run_flow(flow, drop_in=True, timeout=600)
     assert result.status == "pass", f"{result.error()}\n{result.traceback_tail()}"

@@ -109,7 +109,7 @@ def test_all_reduce_equals_torchs_on_five_ranks_and_a_subgroup(tmp_path: Path) -
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "5", "-m", "tests.collectives_cases", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(5)]
     check([[Record(**d) for d in r["world"]] for r in ranks], "5 ranks")
@@ -117,7 +117,9 @@ def test_all_reduce_equals_torchs_on_five_ranks_and_a_subgroup(tmp_path: Path) -
     check(subgroup, "subgroup of ranks 1, 3, 4")
 
 
-DELAY_S = 0.2
+# The bound below leaves 0.75 of it for all else: long beside the scheduling delays of
+# 3 ranks on 2 busy cores, and shorter than one more delay (one per message, not per step).
+DELAY_S = 0.5
 # Steps on 3 ranks, by hand: naive gathers (1) and scatters (1); the ring 2(p-1);
 # halving-doubling folds rank 2 in, swaps halves (1), swaps back (1), folds out; the
 # tree: ranks 1 and 2 both send to 0 at once (1), then 0 sends to 2 and to 1 (2).

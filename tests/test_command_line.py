@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
-import time
 
 import pytest
 import torch
@@ -66,7 +65,7 @@ def test_help_names_every_field_with_its_default(stage: str, capsys) -> None:
 
 
 def test_main_job_help_shows_descriptions_defaults_and_choices() -> None:
-    out = torchrun(2, "-m", "stages", "--help", timeout=60)
+    out = torchrun(2, "-m", "stages", "--help", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("usage: torchrun ... -m stages") == 1  # rank 0's, not one per rank
     entries = help_entries(out.stdout)
@@ -89,12 +88,10 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_VALUES)
-def test_a_bad_value_is_refused_with_the_usage_line_within_seconds(
-    args: list[str], message: str
+def test_a_bad_value_is_refused_with_the_usage_line_before_any_process_group(
+    args: list[str], message: str, group_log
 ) -> None:
-    start = time.perf_counter()
-    out = torchrun(2, "-m", "stages.naive", *args, timeout=60)
-    seconds = time.perf_counter() - start
+    out = torchrun(2, "-m", "stages.naive", *args, timeout=300)  # only a hang reaches it
     assert out.returncode != 0
     # Once, from rank 0: every rank parses the same arguments, only rank 0 says so.
     assert out.stderr.count("usage: torchrun ... -m stages.naive") == 1, out.stderr
@@ -108,8 +105,9 @@ def test_a_bad_value_is_refused_with_the_usage_line_within_seconds(
     # Rank 0, which printed why, is the root cause torchrun names, with argparse's status.
     root_cause = out.stderr.split("Root Cause", 1)[1]
     assert re.search(r"rank\s+: 0 .*\n\s+exitcode\s+: 2\b", root_cause), root_cause
-    # Before any process group or model: about the time torchrun and `import torch` take.
-    assert seconds < 5, f"took {seconds:.1f} s"
+    # Before any process group: neither rank met the other at a store, nor made a group.
+    made = group_log.made(ranks=2)
+    assert made == [], f"refused only after: {made}"
 
 
 def test_naive_refuses_a_bucket_cap(capsys) -> None:
@@ -409,6 +407,6 @@ def test_the_main_job_trains_the_runs_asked_for() -> None:
         line.split()[0] for line in out.stdout.splitlines() if line.startswith(("comp", "over"))
     ]
     assert rows == ["compute_only", "overlapped"]  # in table order, only those
-    out = torchrun(2, "-m", "stages", "--runs", "overlaped", timeout=60)
+    out = torchrun(2, "-m", "stages", "--runs", "overlaped", timeout=300)
     assert out.returncode != 0
     assert "--runs: no run ['overlaped']; pick from compute_only, naive" in out.stderr

@@ -126,7 +126,7 @@ def page(served: str):
             ),
         )
         tab = context.new_page()
-        tab.set_default_timeout(30_000)
+        tab.set_default_timeout(300_000)  # only a hang waits it out, not a busy machine
         yield tab
         context.close()
 

@@ -42,7 +42,7 @@ def faults(mode: str) -> int:
         capture_output=True,
         text=True,
         check=True,
-        timeout=120,
+        timeout=600,
         cwd=Path(__file__).resolve().parent.parent,
     )
     return int(out.stdout.split()[-1])

@@ -26,7 +26,7 @@ from tests.nets import Gated
 from tests.pool import check_no_errors
 
 EXAMPLES = int(os.environ.get("DDP_STAGES_JOIN_EXAMPLES", "200"))
-SECONDS = 15  # a mismatched shadow hangs: fail after this long instead
+SECONDS = 120  # a mismatched shadow hangs: fail after this long instead
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def abort_on_rank_1(rank: int, group: dist.ProcessGroup) -> int:
 
 def sleep_on_rank_1(rank: int, group: dist.ProcessGroup) -> int:
     if rank == 1:
-        time.sleep(30)
+        time.sleep(3600)  # until the pool, restarting, kills it
     return rank
 
 
@@ -43,12 +43,15 @@ def small_pool():
 
 
 def test_a_worker_that_dies_is_named_with_its_signal(small_pool) -> None:
+    # Named as soon as the pool sees the worker gone, long before the hang's limit.
     with pytest.raises(TimeoutError, match=r"rank 1's worker died \(exit code -6, SIGABRT"):
-        small_pool.run(2, abort_on_rank_1, timeout_s=5)
+        small_pool.run(2, abort_on_rank_1, timeout_s=600)
     assert small_pool.run(2, rank_and_sum) == [(0, 3), (1, 3)]  # restarted, and working
 
 
 def test_a_worker_that_hangs_is_a_hang(small_pool) -> None:
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] gave no answer in 2 s: a hang$"):
-        small_pool.run(2, sleep_on_rank_1, timeout_s=2)
+    small_pool.run(2, rank_and_sum)  # both workers up, and this module imported in each
+    # Rank 0 answers at once; rank 1 still sleeps when the limit ends, alive: a hang.
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] gave no answer in 10 s: a hang$"):
+        small_pool.run(2, sleep_on_rank_1, timeout_s=10)
     assert small_pool.run(2, rank_and_sum) == [(0, 3), (1, 3)]

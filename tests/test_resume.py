@@ -244,14 +244,15 @@ def test_stopped_rank_is_named_within_timeout() -> None:
     lines = timed_lines(process)
     stopped_pid = None
     try:
-        stopped_at, match = wait_for(lines, r"rank 1 \(pid (\d+)\): .* SIGSTOP", 60)
+        # As long as torchrun, two imports of torch and 20 steps take: only a hang reaches it.
+        stopped_at, match = wait_for(lines, r"rank 1 \(pid (\d+)\): .* SIGSTOP", 600)
         stopped_pid = int(match.group(1))
         named_at, _ = wait_for(lines, r"rank 0: rank 1 has not answered", 2 * timeout_s)
         assert named_at - stopped_at <= timeout_s * 1.1
     finally:
         if stopped_pid is not None:
             os.kill(stopped_pid, signal.SIGKILL)  # torchrun would wait 30 s to do it
-        process.wait(timeout=60)
+        process.wait(timeout=300)
     assert process.returncode != 0
 
 
@@ -261,6 +262,17 @@ def worker_pids(torchrun_pid: int) -> list[int]:
     for task in Path(f"/proc/{torchrun_pid}/task").iterdir():
         children += [int(pid) for pid in (task / "children").read_text().split()]
     return children
+
+
+def gloo_in_use(pid: int) -> bool:
+    """Whether the process has run a collective over Gloo: its run-loop threads start then."""
+    try:
+        return any(
+            (task / "comm").read_text().strip() == "pt_gloo_runloop"
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        )
+    except FileNotFoundError:  # the process, or a thread of it, is gone
+        return False
 
 
 def alive(pid: int) -> bool:
@@ -274,11 +286,14 @@ def alive(pid: int) -> bool:
 def test_ctrl_c_leaves_no_worker_alive() -> None:
     process = launch("--nproc-per-node", "2", "-m", "stages.drop_in", "--steps", "100000")
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600  # only a hang reaches these
         while len(workers := worker_pids(process.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(workers) == 2, "torchrun started no workers"
-        time.sleep(3)  # into the training loop
+        # Into training: each rank has made its group and communicated over it.
+        while not all(gloo_in_use(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(gloo_in_use(pid) for pid in workers), "the workers never communicated"
         os.killpg(process.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
         deadline = time.monotonic() + 35
         while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
@@ -288,4 +303,4 @@ def test_ctrl_c_leaves_no_worker_alive() -> None:
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+        process.wait(timeout=300)

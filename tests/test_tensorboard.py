@@ -44,7 +44,11 @@ RANKS = ["rank0", "rank1"]
 TAGS = {"loss", "learning rate", "step time ms"}  # ddp/train.py Tracing.step
 PLUGIN = "/data/plugin/pytorch_profiler"
 WEBCOMPONENTS = ROOT / ".vendor/webcomponents.js-0.7.24/webcomponents.min.js"  # Makefile
-STARTUP_S = 60  # the plugin parses these traces in 5 s, 20 s on a busy 2-core machine
+# Limits that only a hang reaches; every wait polls for what it waits for, and ends as soon
+# as that is there. The plugin parses these traces in 5 s, 20 s on a busy 2-core machine.
+STARTUP_S = 600  # TensorBoard up, with every run loaded
+ANSWER_S = 300  # one HTTP answer (a view the plugin computes on first request)
+PAGE_S = 300  # a page to load, a chart to draw
 
 
 class TensorBoard:
@@ -64,13 +68,13 @@ class TensorBoard:
                 command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def get(self, path: str, timeout: float = 30):
+    def get(self, path: str, timeout: float = ANSWER_S):
         with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
             return json.load(response)
 
     def status(self, path: str) -> int:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            with urllib.request.urlopen(self.url + path, timeout=ANSWER_S) as response:
                 return response.status
         except urllib.error.HTTPError as error:
             return error.code
@@ -85,8 +89,8 @@ class TensorBoard:
             if self.process.poll() is not None:
                 pytest.fail(f"TensorBoard exited with {self.process.returncode}:\n{self.tail()}")
             try:
-                runs = self.get(f"{PLUGIN}/runs", timeout=5)
-                tags = self.get("/data/plugin/scalars/tags", timeout=5)
+                runs = self.get(f"{PLUGIN}/runs", timeout=60)
+                tags = self.get("/data/plugin/scalars/tags", timeout=60)
                 seen = f"profiler runs {runs}, scalar runs {sorted(tags)}"
                 if sorted(runs["runs"]) == sorted(RUNS) and not runs["loading"]:
                     if scalar_runs <= set(tags):
@@ -254,7 +258,7 @@ class OfflinePage:
         self.context.route("**/*", self._route)
         self.loopback = tensorboard.url + "/"
         self.page = self.context.new_page()
-        self.page.set_default_timeout(30_000)
+        self.page.set_default_timeout(PAGE_S * 1000)
 
     def _route(self, route) -> None:
         url = route.request.url
@@ -274,7 +278,7 @@ def offline(browser, tensorboard: TensorBoard):
     page.context.close()
 
 
-def wait_for(page, condition, what: str, timeout_s: float = 30):
+def wait_for(page, condition, what: str, timeout_s: float = PAGE_S):
     deadline = time.monotonic() + timeout_s
     while (value := condition()) is None or value is False:
         if time.monotonic() > deadline:
@@ -364,7 +368,7 @@ def test_scalars_dashboard_draws_a_line_per_run(offline, tensorboard, tmp_path) 
         chart.screenshot(path=tmp_path / f"{tag}.png")
         # A chart scrolled into view may still be fading in from a redraw: look again.
         what = f"ink on the lines of the {tag!r} chart (see {tmp_path})"
-        wait_for(page, lambda chart=chart: ink_on_lines(chart) > 100, what, timeout_s=10)
+        wait_for(page, lambda chart=chart: ink_on_lines(chart) > 100, what)
     assert offline.blocked == [], f"TensorBoard's page reached off loopback: {offline.blocked}"
 
 
@@ -410,8 +414,11 @@ def test_trace_view_renders_offline(offline, tensorboard, tmp_path) -> None:
     titles = wait_for(page, lambda: frame.evaluate(TITLES), "the Trace view imported no trace")
     tracks = frame.locator("tr-ui-timeline-track-view")
     wait_for(page, lambda: tracks.count() > 0, "the Trace view drew no timeline")
-    page.wait_for_timeout(500)  # the timeline paints on the next animation frames
-    png = page.screenshot(path=tmp_path / "trace.png")
+
+    def painted() -> bool:  # the timeline paints on the next animation frames
+        return colored_pixels(page.screenshot(path=tmp_path / "trace.png")) > 20_000
+
+    wait_for(page, painted, f"the timeline looks blank: see {tmp_path / 'trace.png'}")
 
     # The profiler steps, the training loop's spans and the stage's own, and Gloo's op.
     for expected in ["forward", "backward", "optimizer", "wait for communication"]:
@@ -421,7 +428,6 @@ def test_trace_view_renders_offline(offline, tensorboard, tmp_path) -> None:
     assert "gloo:all_reduce" in titles, sorted(titles)
     text = frame.evaluate("document.body.innerText")
     assert "pt_gloo_runloop" in text, "no Gloo thread in the timeline's track names"
-    assert colored_pixels(png) > 20_000, f"the timeline looks blank: see {tmp_path / 'trace.png'}"
     assert offline.blocked == [], f"the Trace view reached off loopback: {offline.blocked}"
 
 
@@ -433,8 +439,10 @@ def test_profiler_tab_offline_waits_for_google_charts(offline, tensorboard) -> N
     page.goto(f"{tensorboard.url}{PLUGIN}/index.html")
     page.get_by_role("button", name="Overview").click()  # the Views menu, once runs load
     page.get_by_role("option", name="Trace").click()
-    page.wait_for_timeout(2000)
-    assert "https://www.gstatic.com/charts/loader.js" in offline.blocked, offline.blocked
+    loader = "https://www.gstatic.com/charts/loader.js"
+    wait_for(page, lambda: loader in offline.blocked, f"no request for {loader}")
+    wait_for(page, lambda: page.get_by_role("progressbar").count() == 1, "no spinner")
+    page.wait_for_timeout(2000)  # time to render the view, were it to render without the loader
     assert page.get_by_role("progressbar").count() == 1, "expected the page's spinner"
     assert page.locator("iframe").count() == 0, "the Trace view rendered without Google Charts"
 

@@ -16,7 +16,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """torchrun's run of `args` on `nproc` CPU ranks; `timeout` is for a hang only."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [*TORCHRUN, "--nproc-per-node", str(nproc), *args],
@@ -38,10 +39,12 @@ def test_main_job_reports_identical_replicas() -> None:
         assert rows[name][-1] == "True", f"{name}: {rows[name]}"
 
 
-def test_global_batch_that_does_not_split_fails_fast() -> None:
-    out = torchrun(2, "-m", "stages.bucketed", "--global-batch-size", "5", timeout=60)
+def test_global_batch_that_does_not_split_fails_fast(group_log) -> None:
+    out = torchrun(2, "-m", "stages.bucketed", "--global-batch-size", "5", timeout=300)
     assert out.returncode != 0
     assert "global batch 5 does not split over 2 ranks; pick a multiple of 2" in out.stderr
+    made = group_log.made(ranks=2)  # fast: before any rank made a group, or met at a store
+    assert made == [], f"refused only after: {made}"
 
 
 @pytest.mark.parametrize("stage", ["skip_sync"])
