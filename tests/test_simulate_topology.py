@@ -3,6 +3,8 @@ on 2 servers of 2 GPUs and other small clusters."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from profiling.simulate.topology import (
@@ -96,3 +98,38 @@ def test_with_gpus_keeps_the_servers_and_refuses_a_partial_one():
         halving_doubling(Topology(nodes=3, gpus_per_node=2, **LINKS), 40)
     with pytest.raises(ValueError, match="no algorithm 'tree'"):
         cost_model(TWO_BY_TWO, "tree")
+
+
+def test_inter_bandwidth_by_servers_is_interpolated_in_log2_and_clamped():
+    curve = Topology(nodes=1, gpus_per_node=2, inter_by_nodes=((2, 40), (8, 10)),
+                     **LINKS)  # fmt: skip
+    # 4 servers: half way from 2 to 8 in log2; below 2 and beyond 8 the ends' values.
+    assert [curve.inter_at(n) for n in (1, 2, 4, 8, 64)] == [40, 40, 25, 10, 10]
+    assert curve.with_gpus(8).inter_bytes_per_s == 25  # 4 servers of 2
+    assert curve.with_gpus(2).inter_bytes_per_s == 40
+    # Without points, the same at every count, as before.
+    assert TWO_BY_TWO.with_gpus(64).inter_bytes_per_s == 10
+    with pytest.raises(ValueError, match="servers ascending"):
+        Topology(nodes=1, gpus_per_node=2, inter_by_nodes=((8, 1), (2, 1)), **LINKS)
+
+
+def test_cloud_100gbe_follows_its_source_per_server_count():
+    from profiling.simulate import clusters
+    from profiling.simulate.topology import GB, GBIT
+
+    cloud = clusters.cluster("cloud_100gbe")
+    # NVIDIA/nccl issue 235: ~10 GB/s on 2 servers, 6-8 GB/s on 8 to 32.
+    at = {p // 8: cloud.topology.with_gpus(p).inter_bytes_per_s / GB for p in (16, 64, 256, 512)}
+    assert at == pytest.approx({2: 10, 8: 7, 32: 6, 64: 6})
+    assert 7 < cloud.topology.with_gpus(32).inter_bytes_per_s / GB < 10  # 4 servers: between
+    assert "7 GB/s (56 Gbit/s) on 8" in "\n".join(clusters.describe(cloud, "cloud_100gbe", "ring"))
+    assert "log2(servers)" in cloud.sources["inter_bytes_per_s"]
+    # --inter-gbps replaces the whole curve: the same at every count.
+    args = argparse.Namespace(cluster="cloud_100gbe", inter_gbps=40.0, model=None)
+    custom, _ = clusters.from_args(args)
+    assert custom.topology.with_gpus(256).inter_bytes_per_s == 40 * GBIT
+    # Every other preset: one bandwidth at every count.
+    for name in set(clusters.NAMES) - {"cloud_100gbe"}:
+        t = clusters.cluster(name).topology
+        assert not t.inter_by_nodes
+        assert t.with_gpus(256).inter_bytes_per_s == t.inter_bytes_per_s

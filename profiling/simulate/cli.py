@@ -5,6 +5,7 @@ python -m profiling.simulate buckets   which bucket_cap_mb, against torch's defa
 python -m profiling.simulate gantt     one simulated step, drawn
 python -m profiling.simulate paper     the papers' scaling figures against the model
 python -m profiling.simulate published published measurements against the model's predictions
+python -m profiling.simulate accuracy  the loss the model leaves out, checked on held-out rows
 python -m profiling.simulate shape     when each gradient is ready, measured on a GPU
 python -m profiling.simulate validate  predictions against the virtual CPU cluster
                                        (profiling.simulate.cpu_cluster, which extends the model)
@@ -17,7 +18,7 @@ from types import ModuleType
 
 from profiling.simulate import bucket_caps, gantt, scale, shape
 from profiling.simulate.cpu_cluster import validate
-from profiling.simulate.published import measurements, paper
+from profiling.simulate.published import crossval, measurements, paper
 
 # subcommand -> module with add_arguments(parser) and run(args). The core's commands, and
 # the two checks of the model (each extends the core; the core imports neither).
@@ -27,6 +28,7 @@ COMMANDS: dict[str, ModuleType] = {
     "gantt": gantt,
     "paper": paper,
     "published": measurements,
+    "accuracy": crossval,
     "shape": shape,
     "validate": validate,
 }

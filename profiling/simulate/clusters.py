@@ -27,7 +27,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 from profiling.simulate.presets import MODELS
-from profiling.simulate.topology import ALGORITHMS, GB, GBIT, Topology
+from profiling.simulate.topology import ALGORITHMS, GB, GBIT, Topology, cost_model
 
 # NCCL 2.20.3's latency model, src/graph/tuning.cc (NVIDIA/nccl, version.mk 2.20.3),
 # Ring, Simple protocol: a base latency per call (baseLat), and per step over NVLink and
@@ -57,14 +57,22 @@ A100_MEMORY = "A100 40GB SXM data sheet: 1,555 GB/s memory bandwidth"
 
 def server(gpu: str, memory_gbs: float, intra_bytes_per_s: float, inter_bytes_per_s: float,
            sources: dict[str, str], latencies: str = NCCL_2_20,
-           net_step_s: float = NET_STEP_S) -> Cluster:  # fmt: skip
-    """A server of 8 GPUs, NCCL's latencies (`latencies` says which NCCL's)."""
+           net_step_s: float = NET_STEP_S,
+           inter_by_nodes: tuple[tuple[int, float], ...] = ()) -> Cluster:  # fmt: skip
+    """A server of 8 GPUs, NCCL's latencies (`latencies` says which NCCL's);
+    `inter_by_nodes`: the network's bandwidth by server count, where it falls with more
+    (`Topology.inter_at`)."""
     topology = Topology(nodes=1, gpus_per_node=8, intra_bytes_per_s=intra_bytes_per_s,
                         inter_bytes_per_s=inter_bytes_per_s, intra_latency_s=NVLINK_STEP_S,
-                        inter_latency_s=net_step_s, call_latency_s=CALL_S)  # fmt: skip
+                        inter_latency_s=net_step_s, call_latency_s=CALL_S,
+                        inter_by_nodes=inter_by_nodes)  # fmt: skip
     keys = ("intra_latency_s", "inter_latency_s", "call_latency_s")
     return Cluster(topology, gpu, memory_gbs * GB, dict.fromkeys(keys, latencies) | sources)
 
+
+# cloud_100gbe's all-reduce busbw across servers by server count (servers, bytes/s), from
+# NVIDIA/nccl issue 235: ~10 GB/s on 2 servers, 6-8 GB/s on 8 to 32 (see its source).
+CLOUD_INTER_BY_NODES = ((2, 10 * GB), (8, 7 * GB), (32, 6 * GB))
 
 # fmt: off
 PRESETS: dict[str, Cluster] = {
@@ -85,16 +93,19 @@ PRESETS: dict[str, Cluster] = {
         "gpu": "H100 SXM data sheet: 3.35 TB/s memory bandwidth",
     }),
     # A cloud server of 8 A100 on NVSwitch with one 100 Gbit/s Ethernet NIC for all of
-    # them (as GCP's a2-highgpu-8g, AWS's p3dn with V100).
-    "cloud_100gbe": server("A100", 1555, 231 * GB, 10 * GB, {
+    # them (as GCP's a2-highgpu-8g, AWS's p3dn with V100). Its network's busbw falls with
+    # more servers, as its source measured: CLOUD_INTER_BY_NODES.
+    "cloud_100gbe": server("A100", 1555, 231 * GB, CLOUD_INTER_BY_NODES[0][1], {
         "gpus_per_node": "8 GPUs per server, as GCP a2-highgpu-8g and AWS p3dn.24xlarge",
         "intra_bytes_per_s": AZURE_A100,
         "inter_bytes_per_s": "NVIDIA/nccl issue 235 (NVIDIA): all_reduce busbw ~10 GB/s (80 "
         "Gbit/s) on 2 AWS p3dn servers with one 100 Gbit/s NIC each, 6-8 GB/s on 8 to 32 "
-        "servers",
+        "servers; taken as 10 GB/s on 2 servers (and 1), 7 (the middle of 6-8) on 8, 6 on "
+        "32 and more, linear in log2(servers) between (ASSUMED: the rule between and "
+        "beyond the issue's counts)",
         "inter_latency_s": NCCL_2_20 + " (ASSUMED: a cloud network's step is likely slower)",
         "gpu": A100_MEMORY,
-    }),
+    }, inter_by_nodes=CLOUD_INTER_BY_NODES),
     # Li et al., "PyTorch Distributed" (VLDB 2020), section 5: 8 Tesla V100 per server,
     # NVLink inside it, servers joined by a Mellanox ConnectX-4 100 Gbit/s NIC (as the
     # paper's evaluation section describes its exclusive 32-GPU cluster; ASSUMED: one
@@ -194,8 +205,32 @@ def from_args(args: argparse.Namespace) -> tuple[Cluster, bool]:
             changes[name] = to_field(value)
     if sources == base.sources:
         return base, False
+    if "inter_bytes_per_s" in changes:  # --inter-gbps: the same at every server count
+        changes["inter_by_nodes"] = ()
     topology = replace(base.topology, **changes)
     return replace(base, topology=topology, memory_bytes_per_s=memory, sources=sources), True
+
+
+def check_gpus(topology: Topology, algorithm: str, gpus: list[int]) -> None:
+    """One ValueError naming --gpus (and --algorithm) for a GPU count the cluster cannot
+    take: not whole servers, or a layout `algorithm` does not fit (a flat
+    halving-doubling across servers needs powers of two)."""
+    for p in gpus:
+        try:
+            topology.with_gpus(p)
+        except ValueError as error:
+            raise ValueError(f"--gpus {p}: {error}") from None
+    errors = {}
+    for p in gpus:
+        try:
+            cost_model(topology.with_gpus(p), algorithm)(1.0)  # every size: the same layout
+        except ValueError as error:
+            errors[p] = error
+    if errors:
+        raise ValueError(
+            f"--algorithm {algorithm} does not fit --gpus {','.join(map(str, errors))} "
+            f"(servers of {topology.gpus_per_node}): {next(iter(errors.values()))}"
+        )
 
 
 def describe(c: Cluster, name: str, algorithm: str) -> list[str]:
@@ -205,8 +240,7 @@ def describe(c: Cluster, name: str, algorithm: str) -> list[str]:
         "gpus_per_node": f"{t.gpus_per_node} GPUs per server",
         "intra_bytes_per_s": f"{t.intra_bytes_per_s / GB:g} GB/s "
         f"({t.intra_bytes_per_s / GBIT:g} Gbit/s) inside a server",
-        "inter_bytes_per_s": f"{t.inter_bytes_per_s / GB:g} GB/s "
-        f"({t.inter_bytes_per_s / GBIT:g} Gbit/s) across servers, per server",
+        "inter_bytes_per_s": _inter(t),
         "intra_latency_s": f"{t.intra_latency_s * 1e6:g} us per step inside",
         "inter_latency_s": f"{t.inter_latency_s * 1e6:g} us per step across",
         "call_latency_s": f"{t.call_latency_s * 1e6:g} us per call",
@@ -219,3 +253,13 @@ def describe(c: Cluster, name: str, algorithm: str) -> list[str]:
         lines.append(f"  {text}  [{notes.setdefault(source, len(notes) + 1)}]")
     lines += [f"  [{k}] {source}" for source, k in notes.items()]
     return lines
+
+
+def _inter(t: Topology) -> str:
+    """The network's bandwidth: one figure, or one per server count where it varies."""
+    if not t.inter_by_nodes:
+        return (f"{t.inter_bytes_per_s / GB:g} GB/s ({t.inter_bytes_per_s / GBIT:g} Gbit/s) "
+                "across servers, per server")  # fmt: skip
+    at = ", ".join(f"{b / GB:g} GB/s ({b / GBIT:g} Gbit/s) on {n}" for n, b in t.inter_by_nodes)
+    return (f"across servers, per server: {at} servers (beyond them the nearest's), "
+            "linear in log2(servers) between")  # fmt: skip

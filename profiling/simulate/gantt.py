@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> None:
     """One overlapped step at --gpus, drawn, its assumptions printed."""
     try:
         cluster, custom = clusters.from_args(args)
+        clusters.check_gpus(cluster.topology, args.algorithm, [args.gpus])
         topo = cluster.topology.with_gpus(args.gpus)
         workload, lines, _ = model_args.from_args(args, cluster.gpu, cluster.memory_bytes_per_s)
         buckets = uniform_buckets(workload, args.bucket_cap_mb, ready_order=True)

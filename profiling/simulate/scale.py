@@ -1,4 +1,4 @@
-"""Scaling efficiency from 8 to 256 GPUs, and the bucket-size curve at each GPU count.
+"""Scaling efficiency against the smallest of --gpus (default 8 to 256), and bucket sizes.
 
     python -m profiling.simulate scale --model mypackage.models:build \\
         --input-shape 3,224,224 --batch-size 32 --iteration-ms 180 \\
@@ -13,7 +13,9 @@ Weak scaling, as both papers measure it: every GPU keeps its batch, so p GPUs pr
 p times the samples of one, and a step of p GPUs takes T(p) = one GPU's compute plus
 whatever communication it cannot hide (`schedule.simulate` on the cluster's all-reduce
 cost, `topology`). The scaling efficiency at p is the per-GPU throughput there over the
-per-GPU throughput at the reference count p0 (the first of --gpus, 8: one full server):
+per-GPU throughput at the reference count p0, the smallest of --gpus (they are sorted,
+in whatever order given): by default 8, one full server; --gpus 1,... measures against
+one GPU without DDP, as Goyal et al. and Horovod report it:
 
     E(p) = (batch / T(p)) / (batch / T(p0)) = T(p0) / T(p)
 
@@ -21,8 +23,17 @@ E(p0) = 1; E(256) = 0.9 is Goyal et al.'s "~90% scaling efficiency from 8 to 256
 GPUs". With bandwidths and latencies that do not improve with more servers, every
 all-reduce costs at least as much on more GPUs, so in this model E never rises with p.
 
+The bare model runs high against published measurements, so the E(p) printed is the
+central figure: each step of 2 GPUs or more also loses the share of compute fitted on
+them (`accuracy.FITTED`), with a range beside it from their held-out errors, the bare
+model's E next to both. `--measured 1:T1,2:T2,8:T8` (your runs' ms per step) fits that
+loss to your own runs instead.
+
 The bucket-size curve is the step time at each bucket_cap_mb of --bucket-caps (MiB,
 the stages' layout rule), plus one bucket per parameter and a single bucket for all.
+Every layout here, E(p)'s at --bucket-cap-mb too, is uniform caps by the stages' rule in
+reverse parameter order, not torch's default layout (a 1 MiB first bucket, then 25 MiB):
+a "25" here is not torch's default; `buckets` sets the two side by side.
 Every output begins with the model's and the cluster's numbers, each with its source.
 Writes a results JSON, a Markdown fragment and a figure under runs/simulate/ (or
 --out); --docs refreshes the docs' own table and figure; --json FILE writes the JSON.
@@ -31,6 +42,7 @@ Writes a results JSON, a Markdown fragment and a figure under runs/simulate/ (or
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict
 
 import matplotlib
@@ -38,7 +50,7 @@ import matplotlib.pyplot as plt
 
 from profiling.common import report
 from profiling.common.report import markdown_table, produced_by
-from profiling.simulate import clusters, model_args, outputs
+from profiling.simulate import accuracy, clusters, model_args, outputs
 from profiling.simulate.layouts import uniform_buckets
 from profiling.simulate.schedule import Sharing, StageSchedule, Workload, simulate
 from profiling.simulate.topology import cost_model
@@ -57,17 +69,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # fmt: off
     add("--nodes", type=int, help="sweep up to this many servers (drops larger --gpus)")
     add("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
-        help="GPU counts, comma-separated; the first is the reference, 1 for efficiency "
+        help="GPU counts, comma-separated, in any order: sorted, and E(p) is against the "
+        "smallest; by default from 8 (one full server) to 256; start at 1 for efficiency "
         "against one GPU (default: %(default)s)")
     add("--bucket-cap-mb", type=float, default=25.0,
-        help="the bucket cap of the efficiency curve, MiB (default: %(default)s)")
+        help="the bucket cap of the efficiency curve, MiB: uniform buckets by the stages' "
+        "rule, not torch's default layout (default: %(default)s)")
     add("--bucket-caps", default=",".join(map(str, DEFAULT_CAPS_MB)),
         help="bucket caps of the bucket-size curve, MiB, comma-separated (default: %(default)s)")
     add("--slowdown", type=float, default=0.0,
-        help="backward's slowdown while a collective runs (default 0: none, as on a GPU "
-        "whose communication has its own engine)")
+        help="backward's slowdown while a collective runs, a finite number >= 0: 0.5 makes it "
+        "1.5 times as long (default 0: none, as on a GPU whose communication has its own "
+        "engine)")
     add("--after-backward", action="store_true",
         help="all-reduce after backward (bucketed) instead of during it")
+    add("--measured", metavar="P:MS,...",
+        help="ms per step of your own runs at some of --gpus (batch per GPU as "
+        "--batch-size), e.g. 1:180,2:190,8:197: the loss the model leaves out is fitted "
+        "on them instead of on published measurements (profiling.simulate.accuracy)")
     # fmt: on
     outputs.add_arguments(parser)
     parser.add_argument("--json", help="write the results JSON here (besides --out's files)")
@@ -104,8 +123,12 @@ def sweep(
     *,
     overlap: bool = True,
     slowdown: float = 0.0,
+    loss: accuracy.Loss | None = None,
+    spread=accuracy.published_spread,
 ) -> dict:
-    """E(p) at `bucket_cap_mb` and the bucket-size curve at every p in `gpus`."""
+    """E(p) at `bucket_cap_mb` and the bucket-size curve at every p in `gpus`. With
+    `loss`, E(p) is the central figure (the bare model's steps plus the loss; the bare
+    one as `bare_efficiency`) and `range` is E + `spread(p)` (none at the reference)."""
     shapes = layouts(workload, sorted(set(caps_mb) | {bucket_cap_mb}))
     curve, scaling = [], []
     for p in gpus:
@@ -136,6 +159,13 @@ def sweep(
         )
     for row in scaling:
         row["efficiency"] = scaling[0]["step_s"] / row["step_s"]
+    if loss is not None:
+        central = [loss.step_s(r["step_s"], workload.compute_s, r["gpus"]) for r in scaling]
+        for row, step in zip(scaling, central, strict=True):
+            lo, hi = spread(row["gpus"]) if row is not scaling[0] else (0.0, 0.0)
+            row.update(bare_efficiency=row["efficiency"], loss_s=step - row["step_s"],
+                       efficiency=central[0] / step)  # fmt: skip
+            row["range"] = [row["efficiency"] + lo, row["efficiency"] + hi]
     curve = [r for r in curve if r["layout"] in _curve_labels(caps_mb)]
     return {"scaling": scaling, "bucket_curve": curve}
 
@@ -154,10 +184,65 @@ def _numbers(text: str, name: str, kind=float) -> list:
         raise SystemExit(f"--{name}: expected comma-separated numbers, got {text!r}") from None
 
 
+def parse_measured(text: str, gpus: list[int]) -> dict[int, float]:
+    """--measured P:MS,... as {GPUs: seconds per step}; one line naming --measured for
+    anything else."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        times = [(int(p), float(ms)) for p, ms in pairs]
+    except ValueError:
+        raise SystemExit(f"scale: --measured {text!r}: expected GPUS:MS pairs, "
+                         "e.g. 1:180,2:190,8:197") from None  # fmt: skip
+    for p, ms in times:
+        if p not in gpus:
+            raise SystemExit(f"scale: --measured: {p} GPUs is not among --gpus "
+                             f"{','.join(map(str, gpus))}; add it there")  # fmt: skip
+        if not 0 < ms < float("inf"):
+            raise SystemExit(f"scale: --measured: {ms:g} ms at {p} GPUs; times must be > 0")
+    if len({p for p, _ in times}) != len(times) or len(times) < 2:
+        raise SystemExit(f"scale: --measured {text!r}: two or more GPU counts, each once")
+    return {p: ms / 1e3 for p, ms in times}
+
+
+def fitted_term(args, gpus, workload, topo, overlap: bool):
+    """The loss the model leaves out and each count's range: the published fit's, or with
+    --measured one fitted on the user's own runs; and the lines that say which."""
+    if not getattr(args, "measured", None):
+        return accuracy.FITTED, accuracy.published_spread, [accuracy.header()]
+    times = parse_measured(args.measured, gpus)
+    buckets = uniform_buckets(workload, args.bucket_cap_mb)
+    bare = {p: step_seconds(workload, buckets, cost_model(topo.with_gpus(p), args.algorithm),
+                            overlap=overlap, slowdown=args.slowdown) for p in times}  # fmt: skip
+    points = accuracy.measured_points(times, bare, workload.compute_s)
+    try:
+        loss, free = accuracy.fit_measured(points)
+    except ValueError as error:
+        raise SystemExit(f"scale: --measured {args.measured}: {error}") from None
+    said = {k: "fitted" if k in free else "kept at the published fit's" for k in
+            ("multi", "per_doubling")}  # fmt: skip
+    largest = max(times)
+    return loss, lambda p: accuracy.measured_range(points, loss, p), [
+        f"fitted on your runs at {', '.join(map(str, sorted(times)))} GPUs (--measured): "
+        f"loss_multi {loss.multi:.4f} ({said['multi']}), loss_per_doubling "
+        f"{loss.per_doubling:.4f} ({said['per_doubling']})",
+        "your runs, E against " + f"{min(times)} GPU{'s' if min(times) > 1 else ''}: "
+        + ", ".join(f"{pt.gpus}: {pt.published:.3f} (fit {pt.central(loss):.3f})"
+                    for pt in points)
+        + f"; range: the fit's residuals, at least +-{accuracy.MEASURED_MARGIN:.3f} for "
+        f"each doubling beyond {largest} GPUs",
+        accuracy.header(),
+    ]  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> None:
-    gpus = _numbers(args.gpus, "gpus", int)
+    gpus = sorted(set(_numbers(args.gpus, "gpus", int)))  # the smallest: the reference
     caps = _numbers(args.bucket_caps, "bucket-caps")
     try:
+        if not 0 <= args.slowdown < math.inf:  # also NaN; below 0 backward would speed up
+            raise ValueError(f"--slowdown {args.slowdown:g}: backward's slowdown while a "
+                             "collective runs must be a finite number >= 0 (0: none)")  # fmt: skip
+        if args.nodes is not None and args.nodes < 1:
+            raise ValueError(f"--nodes {args.nodes}: at least 1 server")
         cluster, custom = clusters.from_args(args)
         topo = cluster.topology
         if args.nodes:
@@ -165,19 +250,19 @@ def run(args: argparse.Namespace) -> None:
         if not gpus or min(gpus) < 1:
             raise ValueError(f"--gpus {args.gpus} (--nodes {args.nodes}): no GPU count of at "
                              "least 1 left to simulate")  # fmt: skip
-        for p in gpus:
-            topo.with_gpus(p)
-        if not args.bucket_cap_mb > 0 or any(c <= 0 for c in caps):
-            raise ValueError("--bucket-cap-mb and --bucket-caps must be > 0")
+        clusters.check_gpus(topo, args.algorithm, gpus)
+        if not 0 < args.bucket_cap_mb < math.inf or any(not 0 < c < math.inf for c in caps):
+            raise ValueError("--bucket-cap-mb and --bucket-caps must be > 0 (and finite)")
         workload, model_lines, model_settings = model_args.from_args(
             args, cluster.gpu, cluster.memory_bytes_per_s
         )
     except ValueError as error:
         raise SystemExit(f"scale: {error}") from None
     overlap = not args.after_backward
+    loss, spread, accuracy_lines = fitted_term(args, gpus, workload, topo, overlap)
     result = sweep(
         workload, topo, args.algorithm, gpus, args.bucket_cap_mb, caps,
-        overlap=overlap, slowdown=args.slowdown,
+        overlap=overlap, slowdown=args.slowdown, loss=loss, spread=spread,
     )  # fmt: skip
     name = args.cluster + (" (modified)" if custom else "")
     result["settings"] = {
@@ -198,6 +283,7 @@ def run(args: argparse.Namespace) -> None:
             "optimizer_s": workload.optimizer_s,
         },  # fmt: skip
         "assumptions": model_lines + clusters.describe(cluster, name, args.algorithm),
+        "accuracy": accuracy_lines,
     }
     print(summary(result))
     if args.json:
@@ -231,17 +317,45 @@ def summary(result: dict) -> str:
         "",
         f"{s['model']} on {s['network']}, {s['algorithm']}, "
         f"{'overlapped' if s['overlap'] else 'after backward'}, "
-        f"bucket_cap_mb {s['bucket_cap_mb']:g}, batch {s['batch_per_gpu']} per GPU",
-        f"{'GPUs':>6} {'nodes':>6} {'step ms':>9} {'exposed ms':>11} {'E(p)':>7}",
+        f"bucket_cap_mb {s['bucket_cap_mb']:g}, batch {s['batch_per_gpu']} per GPU; "
+        + _note(result),
+        *s.get("accuracy", []),
+        # With the range, the step is the bare model's; the central one adds `loss ms`.
+        f"{'GPUs':>6} {'nodes':>6} {'bare step ms' if ranged(result) else 'step ms':>9} "
+        f"{'exposed ms':>11} {'E(p)':>7}"
+        + (f" {'range':>16} {'loss ms':>8} {'bare E':>7}" if ranged(result) else ""),
     ]
     for r in result["scaling"]:
+        more = ""
+        if "range" in r:
+            more = f" {span(r):>16} {r['loss_s'] * 1e3:>8.1f} {r['bare_efficiency']:>7.3f}"
         lines.append(
             f"{r['gpus']:>6} {r['nodes']:>6} {r['step_s'] * 1e3:>9.1f} "
-            f"{r['exposed_s'] * 1e3:>11.1f} {r['efficiency']:>7.3f}"
+            f"{r['exposed_s'] * 1e3:>11.1f} {r['efficiency']:>7.3f}" + more
         )
     for p, best, step in best_caps(result):
         lines.append(f"{p:>6} GPUs: fastest layout {best} ({step * 1e3:.1f} ms)")
     return "\n".join(lines)
+
+
+def _note(result: dict) -> str:
+    """What the rows are against and which buckets they use, for the header line."""
+    ref = result["scaling"][0]["gpus"]
+    return (
+        f"E(p) against {ref} GPU{'s' if ref > 1 else ''}, the smallest of --gpus "
+        "(sorted); every layout uniform caps by the stages' rule, not torch's default "
+        "layout (`buckets` compares them)"
+    )
+
+
+def ranged(result: dict) -> bool:
+    """Whether E(p) is the central figure with its range (`sweep`'s `loss`)."""
+    return all("range" in r for r in result["scaling"])
+
+
+def span(row: dict) -> str:
+    lo, hi = row["range"]
+    return f"[{lo:.3f}, {hi:.3f}]"
 
 
 def best_caps(result: dict) -> list[tuple[int, str, float]]:
@@ -266,10 +380,17 @@ def markdown(result: dict) -> str:
         f" backward's slowdown while a collective runs: {s['slowdown']:g}."
     )
     out += ["", f"**Scaling efficiency, bucket_cap_mb {s['bucket_cap_mb']:g}**", ""]
+    extra = ranged(result)
+    if extra:
+        out += [*(f"{line}." for line in s.get("accuracy", [])), ""]
     body = [[str(r["gpus"]), str(r["nodes"]), f"{r['step_s'] * 1e3:.1f}",
              f"{r['exposed_s'] * 1e3:.1f}", f"{r['efficiency']:.3f}"]
+            + ([span(r), f"{r['loss_s'] * 1e3:.1f}", f"{r['bare_efficiency']:.3f}"]
+               if extra else [])
             for r in result["scaling"]]  # fmt: skip
-    out.append(markdown_table(["GPUs", "servers", "step ms", "exposed comm ms", "E(p)"], body))
+    header = ["GPUs", "servers", "bare step ms" if extra else "step ms", "exposed comm ms", "E(p)"]
+    header += ["range", "loss ms", "bare model's E"] if extra else []
+    out.append(markdown_table(header, body))
     out += [
         "",
         "**Step time (ms) against the bucket layout; the fastest at each GPU count in bold**",
@@ -299,10 +420,20 @@ def plot(result: dict, path: str) -> None:
     s = result["settings"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(report.FIGURE_WIDTH_IN, 3.6))
     gpus = [r["gpus"] for r in result["scaling"]]
-    left.plot(gpus, [r["efficiency"] for r in result["scaling"]], marker="o")
+    left.plot(gpus, [r["efficiency"] for r in result["scaling"]], marker="o",
+              label="central" if ranged(result) else None)  # fmt: skip
+    low = min(r["efficiency"] for r in result["scaling"])
+    if ranged(result):
+        left.fill_between(gpus, [r["range"][0] for r in result["scaling"]],
+                          [r["range"][1] for r in result["scaling"]], alpha=0.25,
+                          label="range (published errors)")  # fmt: skip
+        left.plot(gpus, [r["bare_efficiency"] for r in result["scaling"]], ls="--",
+                  color="0.5", label="bare model")  # fmt: skip
+        left.legend(loc="lower left")
+        low = min(r["range"][0] for r in result["scaling"])
     left.set_xscale("log", base=2)
     left.set_xticks(gpus, [str(p) for p in gpus])
-    left.set_ylim(min(0.5, min(r["efficiency"] for r in result["scaling"]) - 0.05), 1.02)
+    left.set_ylim(min(0.5, low - 0.05), 1.05 if ranged(result) else 1.02)
     left.set_xlabel("GPUs")
     left.set_ylabel(f"E(p) = T({gpus[0]}) / T(p)")
     left.set_title(f"scaling, bucket_cap_mb {s['bucket_cap_mb']:g}")

@@ -6,6 +6,9 @@ network of `inter_bytes_per_s` each way (its NIC), which all its GPUs share. A m
 round (a *step*) costs `intra_latency_s` inside a server and `inter_latency_s` across
 servers; every collective also pays `call_latency_s` once (NCCL's base latency: the
 kernel launch and the protocol's set-up), and every byte added `reduce_s_per_byte`.
+Where the network's all-reduce bandwidth falls as servers are added (a cloud's
+Ethernet), `inter_by_nodes` gives it at a few server counts, and `with_gpus` takes the
+one at its count (`Topology.inter_at`: linear in log2 of the servers between them).
 
 An all-reduce of n bytes over p = N x g GPUs (N nodes, g per node) returns a
 `schedule.Cost`: the message rounds and the reduction, which nothing else slows, as
@@ -93,6 +96,10 @@ class Topology:
     inter_latency_s: float
     call_latency_s: float = 0.0
     reduce_s_per_byte: float = 0.0  # gamma: local addition
+    # (servers, inter_bytes_per_s) points, servers ascending: when given, `with_gpus` sets
+    # inter_bytes_per_s to `inter_at` the new number of servers (a network whose
+    # all-reduce bandwidth falls with more servers); empty: the same at every count.
+    inter_by_nodes: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -101,6 +108,29 @@ class Topology:
         for name in ("intra_bytes_per_s", "inter_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        nodes = [n for n, _ in self.inter_by_nodes]
+        if nodes != sorted(set(nodes)) or any(
+            not (n >= 1 and b > 0) for n, b in self.inter_by_nodes
+        ):
+            raise ValueError(
+                "inter_by_nodes: (servers >= 1, bytes/s > 0) points, servers ascending, "
+                f"got {self.inter_by_nodes}"
+            )
+
+    def inter_at(self, nodes: int) -> float:
+        """inter_bytes_per_s on `nodes` servers: by `inter_by_nodes`, linear in log2 of
+        the servers between its points and its end points' values beyond them; without
+        points, inter_bytes_per_s."""
+        points = self.inter_by_nodes
+        if not points:
+            return self.inter_bytes_per_s
+        if nodes <= points[0][0]:
+            return points[0][1]
+        for (n0, b0), (n1, b1) in zip(points, points[1:], strict=False):
+            if nodes <= n1:
+                share = math.log2(nodes / n0) / math.log2(n1 / n0)
+                return b0 + share * (b1 - b0)
+        return points[-1][1]
 
     @property
     def gpus(self) -> int:
@@ -108,15 +138,17 @@ class Topology:
 
     def with_gpus(self, gpus: int) -> Topology:
         """The same servers and links, as many of them as `gpus` GPUs need: whole
-        servers, or part of one server below gpus_per_node."""
+        servers, or part of one server below gpus_per_node; the network's bandwidth the
+        one `inter_at` that many servers."""
         if gpus <= self.gpus_per_node:
-            return replace(self, nodes=1, gpus_per_node=gpus)
+            return replace(self, nodes=1, gpus_per_node=gpus, inter_bytes_per_s=self.inter_at(1))
         if gpus % self.gpus_per_node:
             raise ValueError(
                 f"{gpus} GPUs do not fill whole servers of {self.gpus_per_node}; "
                 f"pick a multiple of {self.gpus_per_node}"
             )
-        return replace(self, nodes=gpus // self.gpus_per_node)
+        nodes = gpus // self.gpus_per_node
+        return replace(self, nodes=nodes, inter_bytes_per_s=self.inter_at(nodes))
 
 
 def ring(topo: Topology, nbytes: float) -> Cost:
@@ -139,7 +171,8 @@ def halving_doubling(topo: Topology, nbytes: float) -> Cost:
     if p & (p - 1) or g & (g - 1):
         raise ValueError(
             f"halving_doubling across servers needs a power of two of GPUs and of GPUs per "
-            f"server, got {n_} x {g}; use a hierarchical algorithm or the ring"
+            f"server, got {n_} x {g}; use a hierarchical algorithm (hierarchical_ring, "
+            "hierarchical_halving_doubling) or the ring"
         )
     crossing = 2 * nbytes * (1 - 1 / n_)  # per GPU, both phases, to partners on other servers
     latency = 2 * math.log2(n_) * topo.inter_latency_s + 2 * math.log2(g) * topo.intra_latency_s
