@@ -243,3 +243,17 @@ def test_stage_page_shows_its_picture_first_and_folds_its_answers(name: str) -> 
     assert "\n## Try it" in text, f"{name}: no Try it section"
     exercises = text[text.index("\n## Try it") :]
     assert '??? "Answer"' in exercises, f"{name}: no folded answer in Try it"
+
+
+# What a browser fetches by itself: a stylesheet, font, script, image or frame; a link a
+# reader clicks (<a href>) is not a request.
+FETCHED_OFF_SITE = re.compile(
+    r"<(?:link|script|img|iframe|source)\b[^>]*\b(?:src|href)=\"(?:https?:)?//"
+)
+
+
+def test_the_site_fetches_nothing_off_itself(site: Path) -> None:
+    # Offline, a request to another host fails (the theme's web font did, on every page).
+    fetched = {str(p.relative_to(site)): FETCHED_OFF_SITE.findall(p.read_text())
+               for p in sorted(site.rglob("*.html"))}  # fmt: skip
+    assert {page: tags for page, tags in fetched.items() if tags} == {}
