@@ -354,11 +354,21 @@ def _simulate_main(argv: list[str]) -> None:
     simulate(argv)
 
 
-def _simulate_cpu_main(argv: list[str]) -> None:
+def _cpu_cluster_main(argv: list[str]) -> None:
     from profiling.simulate.cli import main as simulate
     from profiling.simulate.cpu_cluster.__main__ import COMMANDS
 
     simulate(argv, commands=COMMANDS)
+
+
+def _simulated_steps_main(argv: list[str]) -> None:
+    import argparse
+
+    from profiling.course import simulated_steps
+
+    parser = argparse.ArgumentParser()
+    simulated_steps.add_arguments(parser)
+    simulated_steps.run(parser.parse_args(argv))
 
 
 # Every command that reads back a results file that one of them wrote, and how it is given.
@@ -368,8 +378,8 @@ RESULTS_READERS = {
     "collectives --render": (_collectives_main, ["--render", "{path}"]),
     "large_batch --render": (_large_batch_main, ["--render", "{path}", "--plot-prefix", "{dir}/f"]),
     "simulate validate --render": (_simulate_main, ["validate", "--render", "{path}"]),
-    "simulate_cpu gantt": (_simulate_cpu_main, ["gantt", "--calibration", "{path}"]),
-    "simulate_cpu buckets": (_simulate_cpu_main, ["buckets", "--calibration", "{path}"]),
+    "course.simulated_steps": (_simulated_steps_main, ["--calibration", "{path}"]),
+    "simulate.cpu_cluster buckets": (_cpu_cluster_main, ["buckets", "--calibration", "{path}"]),
     "simulate paper --shape": (_simulate_main, ["paper", "--no-files", "--shape", "{path}"]),
 }
 

@@ -5,9 +5,9 @@ here by name: include it from a page, read it in a test, or `git rm` it.
 What counts as a reference to docs/results/NAME:
 
 - In a page (every .md under docs/ outside docs/results/): a snippet include
-  (`--8<-- "docs/results/NAME"`) or a link (`](../results/NAME)`). A path in prose or in
-  a command does not count, nor a bare NAME: a page's own name (large-batch.md) can be a
-  fragment's too.
+  (`--8<-- "docs/results/NAME"`). A link does not count (mkdocs.yml leaves docs/results/
+  out of the site, so a link there is dead), nor a path in prose or in a command, nor a
+  bare NAME: a page's own name (large-batch.md) can be a fragment's too.
 - In the site's code (mkdocs.yml, and the .py, .js, .html and .css under docs/): the
   text `results/NAME`, which the build or the page's script reads.
 - In a fragment under docs/results/ that is itself used (a table a page includes): the
@@ -44,12 +44,10 @@ def named_in_text(name: str, text: str) -> bool:
     return re.search(rf"results/{re.escape(name)}{NAME_END}", text) is not None
 
 
-def included_or_linked(name: str, text: str) -> bool:
-    """A page's snippet include of the file (a section of it too), or a link to it."""
-    escaped = re.escape(name)
-    include = rf"--8<--\s*\"[^\"]*results/{escaped}(?::[\w-]+)?\""
-    link = rf"\]\([^)\s]*results/{escaped}{NAME_END}"
-    return re.search(f"{include}|{link}", text) is not None
+def included(name: str, text: str) -> bool:
+    """A page's snippet include of the file, or of a section of it."""
+    include = rf"--8<--\s*\"[^\"]*results/{re.escape(name)}(?::[\w-]+)?\""
+    return re.search(include, text) is not None
 
 
 def literal_patterns(source: str) -> tuple[set[str], list[re.Pattern]]:
@@ -118,7 +116,7 @@ def unreferenced(root: Path) -> list[str]:
     for path in sorted(docs.rglob("*")):
         if path.is_file() and path.suffix in DOC_SOURCES and results not in path.parents:
             (pages if path.suffix == ".md" else site_code).append(path.read_text(errors="replace"))
-    used = {n for n in names if any(included_or_linked(n, t) for t in pages)}
+    used = {n for n in names if any(included(n, t) for t in pages)}
     used |= {n for n in names if any(named_in_text(n, t) for t in site_code)}
 
     code = [p for p in sorted((root / "tests").rglob("*.py")) if p.name != Path(__file__).name]
@@ -158,8 +156,8 @@ def test_every_file_in_docs_results_is_used():
 
 
 def test_what_counts_as_a_reference(tmp_path):
-    """The rules above, on a small tree: a page's include and link, a test's f-string
-    pattern, a used fragment's command; and what does not count."""
+    """The rules above, on a small tree: a page's include, a test's f-string pattern, a
+    used fragment's command; and what does not count (a link, a path in prose)."""
     (tmp_path / "docs" / "results").mkdir(parents=True)
     (tmp_path / "tests").mkdir()
     (tmp_path / "mkdocs.yml").write_text("nav:\n  - Large minibatches: large-batch.md\n")
@@ -200,6 +198,7 @@ def test_what_counts_as_a_reference(tmp_path):
         (tmp_path / "docs" / "results" / name).write_text(text)
     assert unreferenced(tmp_path) == [
         "large-batch.md",  # mkdocs.yml names the page, not the fragment
+        "linked.json",  # a link: results/ is not on the site
         "loose.json",  # a bare name in prose
         "orphan.json",  # named only by an unused fragment
         "other.json",  # f"{run}.json" has no stem
@@ -207,3 +206,12 @@ def test_what_counts_as_a_reference(tmp_path):
         "run-a.json",  # a path in prose
         "run-a.md",  # "and `.md`" names no file
     ]
+
+
+def test_no_page_links_into_results():
+    # mkdocs.yml leaves docs/results/ out of the site, and strict mode only logs such a
+    # link: include the fragment, or link the page that includes it.
+    links = {str(p.relative_to(ROOT)): re.findall(r"\]\(([^)\s]*results/[^)\s]+)\)", p.read_text())
+             for p in sorted((ROOT / "docs").rglob("*.md"))
+             if (ROOT / "docs" / "results") not in p.parents}  # fmt: skip
+    assert {page: found for page, found in links.items() if found} == {}

@@ -7,6 +7,7 @@ need root or minutes); `tests/test_command_line.py` and each tool's tests run th
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -45,15 +46,22 @@ def entry_file(module: str) -> Path | None:
 
 
 def subcommands(entry: Path) -> set[str]:
-    """The subcommands a command line declares: `add_parser("name"` in the entry or the
-    `cli.py` beside it, or the keys of a dict of command modules (`"name": module`)."""
-    sources = [entry.read_text()]
-    if (entry.parent / "cli.py").exists():
-        sources.append((entry.parent / "cli.py").read_text())
+    """The subcommands a command line declares, read from the entry and the `cli.py`
+    beside it: each `add_parser("name", ...)`, and each key of a dict whose values are
+    all names (modules: `{"name": module, ...}`)."""
+    paths = [entry] + ([entry.parent / "cli.py"] if (entry.parent / "cli.py").exists() else [])
     names = set()
-    for source in sources:
-        names |= set(re.findall(r"add_parser\(\s*\"([\w-]+)\"", source))
-        names |= set(re.findall(r"^\s*\"([\w-]+)\": [a-z_]+,$", source, re.M))
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_parser" and node.args
+                    and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+                names.add(node.args[0].value)
+            elif (isinstance(node, ast.Dict) and node.keys
+                  and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                          for k in node.keys)
+                  and all(isinstance(v, ast.Name) for v in node.values)):  # fmt: skip
+                names |= {k.value for k in node.keys}
     return names
 
 
@@ -85,4 +93,9 @@ def test_a_command_that_moved_or_lost_its_subcommand_is_found():
     assert problem("ddp.config", None) == "ddp.config does not run as a command"
     assert problem("profiling.simulate", "repeat").startswith(
         "profiling.simulate has no subcommand 'repeat'"
+    )
+    # A dict on one line, passed as an argument, counts too.
+    assert problem("profiling.simulate.cpu_cluster", "buckets") is None
+    assert problem("profiling.simulate.cpu_cluster", "gantt").startswith(
+        "profiling.simulate.cpu_cluster has no subcommand 'gantt'"
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ddp.fault_injection import ENV, PHASES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: profiling/studies/ is two down
 HASH = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 
 
