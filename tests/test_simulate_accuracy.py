@@ -94,7 +94,8 @@ def synthetic_times(loss: Loss, counts) -> str:
 def test_measured_recovers_a_known_loss_from_the_models_own_times():
     known = Loss(0.03, 0.01)
     loss, spread, lines = scale.fitted_term(
-        measured_args(synthetic_times(known, (1, 2, 4, 8))), GPUS, HUNDRED, SERVERS, True)
+        measured_args(synthetic_times(known, (1, 2, 4, 8))), GPUS, HUNDRED, SERVERS, True
+    )
     assert (loss.multi, loss.per_doubling) == pytest.approx((0.03, 0.01), abs=1e-9)
     assert "loss_multi 0.0300 (fitted)" in lines[0] and "0.0100 (fitted)" in lines[0]
     # A perfect fit: the range is the margin, one per doubling beyond 8 GPUs.
@@ -103,23 +104,68 @@ def test_measured_recovers_a_known_loss_from_the_models_own_times():
     assert spread(32) == pytest.approx((-2 * m, 2 * m), abs=1e-9)
     # One ratio from one GPU: only the loss at 2+ GPUs, the other kept.
     loss, _, lines = scale.fitted_term(
-        measured_args(synthetic_times(known, (1, 2))), GPUS, HUNDRED, SERVERS, True)
+        measured_args(synthetic_times(known, (1, 2))), GPUS, HUNDRED, SERVERS, True
+    )
     assert loss.per_doubling == accuracy.FITTED.per_doubling and "(kept" in lines[0]
     assert loss.multi == pytest.approx(0.03 + 0.0, abs=1e-9)  # log2(2 / 2) = 0
     # The central E from the fit is the synthetic runs' own E.
     result = scale.sweep(HUNDRED, SERVERS, "ring", GPUS, 25.0, [], loss=known)
     times = dict(scale.parse_measured(synthetic_times(known, GPUS), GPUS))
     assert [r["efficiency"] for r in result["scaling"]] == pytest.approx(
-        [times[1] / times[p] for p in GPUS])
+        [times[1] / times[p] for p in GPUS]
+    )
 
 
-@pytest.mark.parametrize("text", ["1:100,2", "a:100,2:110", "1:100,3:110", "1:0,2:100",
-                                  "1:100,2:-5", "1:100", "1:100,1:101", "1:100,2:nan"])  # fmt: skip
+@pytest.mark.parametrize("text", ["1:100,2", "a:100,2:110", "1:100,12:110", "2:100,4:110",
+                                  "1:0,2:100", "1:100,2:-5", "1:100", "1:100,1:101",
+                                  "1:100,2:nan"])  # fmt: skip
 def test_measured_refuses_bad_input_in_one_line_naming_the_flag(text):
     with pytest.raises(SystemExit) as refused:
         scale.fitted_term(measured_args(text), GPUS, HUNDRED, SERVERS, True)
     message = str(refused.value)
     assert "--measured" in message and "\n" not in message
+
+
+def test_measured_counts_need_not_be_among_gpus():
+    # --gpus 1,16,32 with runs at 1, 2 and 8 GPUs: the fit computes its own bare steps.
+    known = Loss(0.03, 0.01)
+    loss, _, lines = scale.fitted_term(
+        measured_args(synthetic_times(known, (1, 2, 8))), [1, 16, 32], HUNDRED, SERVERS, True
+    )
+    assert (loss.multi, loss.per_doubling) == pytest.approx((0.03, 0.01), abs=1e-9)
+    assert lines[0].startswith("bare model checked against 17 published measurements")
+    assert "central figure includes" not in "".join(lines)  # not the published fit's
+
+
+def test_a_fit_below_zero_is_held_at_zero_with_a_note():
+    # Runs that scale better than the bare model: no loss below 0.
+    bare_loss = Loss(0.0, 0.0)
+    times = synthetic_times(bare_loss, (1, 2, 4, 8))
+    faster = ",".join(f"{p}:{float(ms) * (0.9 if p != '1' else 1.0)!r}"
+                      for p, ms in (item.split(":") for item in times.split(",")))  # fmt: skip
+    loss, _, lines = scale.fitted_term(measured_args(faster), GPUS, HUNDRED, SERVERS, True)
+    assert loss.multi == 0.0 and loss.per_doubling >= 0.0
+    assert "(--measured): loss_multi 0.0000 (held at 0: the fit put it below 0" in lines[0]
+    assert "check --iteration-ms and --measured" in lines[0]
+    # Each parameter alone below 0: both kept at 0 or more.
+    points = [Point(2, 1, 1.0, 1.0, 1.05), Point(4, 1, 1.0, 1.0, 1.1)]
+    loss, free = accuracy.fit_measured(points)
+    assert loss == Loss(0.0, 0.0) and free == ("multi", "per_doubling")
+
+
+def test_fit_measured_without_points_says_so():
+    with pytest.raises(ValueError, match="fewer than two GPU counts"):
+        accuracy.fit_measured([])
+
+
+def test_the_range_top_is_at_most_the_bare_efficiency_and_one():
+    result = scale.sweep(HUNDRED, SERVERS, "ring", GPUS, 25.0, [], loss=accuracy.FITTED)
+    for r in result["scaling"]:
+        lo, hi = r["range"]
+        assert lo <= r["efficiency"] <= hi <= min(r["bare_efficiency"], 1.0) + 1e-12
+        assert r["central_step_s"] == pytest.approx(r["step_s"] + r["loss_s"])
+        assert r["efficiency"] == pytest.approx(result["scaling"][0]["central_step_s"]
+                                                / r["central_step_s"])  # fmt: skip
 
 
 def test_scale_prints_a_range_next_to_every_efficiency(tmp_path, capsys):
@@ -148,8 +194,11 @@ def test_scales_central_figure_is_the_bare_one_less_the_fitted_loss():
         assert r["efficiency"] < r["bare_efficiency"] - 0.01  # per doubling, 1.7%
         lo, hi = r["range"]
         assert lo < r["efficiency"] < hi
+        # The top capped at the bare model's E (an upper bound on every published row).
+        top = min(accuracy.RECORD.hi, r["bare_efficiency"] - r["efficiency"])
         assert (lo - r["efficiency"], hi - r["efficiency"]) == pytest.approx(
-            (accuracy.RECORD.lo, accuracy.RECORD.hi))
+            (accuracy.RECORD.lo, top)
+        )
 
 
 def test_fit_by_hand():
@@ -158,5 +207,4 @@ def test_fit_by_hand():
     assert accuracy.fit(pts) == Loss(pytest.approx(0.05), pytest.approx(0.02))
     # Against 8 GPUs only the per-doubling part moves E.
     goyal = Point(256, 8, 1.0, 1.0, (1 + 0.05 + 0.04) / (1 + 0.05 + 0.14))
-    assert accuracy.fit([goyal], ("per_doubling",), Loss(0.05)).per_doubling == pytest.approx(
-        0.02)
+    assert accuracy.fit([goyal], ("per_doubling",), Loss(0.05)).per_doubling == pytest.approx(0.02)

@@ -375,6 +375,13 @@ def test_position_tables_are_found_by_name():
     assert usermodel.position_limit(gpt2) == ("wpe", 1024)
     assert usermodel.position_limit(roberta) == ("position_embeddings", 512)
     assert usermodel.position_limit(tagger) is None
+    with torch.device("meta"):
+        t5 = torch.nn.Module()  # bucketed relative distances, and a name that only contains it
+        t5.embed = torch.nn.Embedding(100, 8)
+        t5.relative_position_bias = torch.nn.Embedding(32, 8)
+        t5.rel_pos_emb = torch.nn.Embedding(32, 8)
+        t5.decomposition = torch.nn.Embedding(16, 8)
+    assert usermodel.position_limit(t5) is None
     assert usermodel.example_input(tagger, (4096,), 2, "meta").shape == (2, 4096)
 
 
@@ -383,7 +390,7 @@ def test_position_tables_are_found_by_name():
 
 def test_progress_says_where_and_how_long_every_few_seconds():
     now, lines = [100.0], []
-    progress = usermodel.Progress("measuring m", every_s=5, clock=lambda: now[0],
+    progress = usermodel.Heartbeat("measuring m", every_s=5, clock=lambda: now[0],
                                   write=lines.append)  # fmt: skip
     progress.update("step 1 of 4 (warm-up 1 of 1), forward")
     now[0] += 4
@@ -413,7 +420,7 @@ class SlowForward(torch.nn.Module):
 
 def test_a_long_step_is_reported_while_it_runs():
     lines: list[str] = []
-    with usermodel.Progress("measuring slow", every_s=0.1, write=lines.append) as progress:
+    with usermodel.Heartbeat("measuring slow", every_s=0.1, write=lines.append) as progress:
         usermodel.measure(SlowForward(), torch.randn(2, 4), "cpu", repeats=1, warmup=0,
                           progress=progress)  # fmt: skip
     during = [line for line in lines if "step 1 of 1 (timed 1 of 1), forward;" in line]

@@ -96,8 +96,13 @@ def run(args: argparse.Namespace) -> None:
     print("measuring the workload's compute ...", file=sys.stderr, flush=True)
     steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
     workload = measure_workload(Config(**MODEL), args.world_size)
+    steps = simulate_stages(workload, calibration)
+    if args.no_files:  # print only
+        for stage, step in steps.items():
+            print(f"{stage}: simulated step {step.step_s * 1e3:.0f} ms")
+        return
     _, images = outputs.folders(args)
-    for stage, step in simulate_stages(workload, calibration).items():
+    for stage, step in steps.items():
         path = images / f"gantt-{stage}.svg"
         draw(step, CAPTIONS[stage], path)
         print(f"{stage}: simulated step {step.step_s * 1e3:.0f} ms, wrote {path}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -150,20 +150,18 @@ MEASURED_MARGIN = 0.0081
 # --8<-- [end:fitted]
 
 
-def published_spread(gpus: int) -> tuple[float, float]:
-    """(lo, hi) of the published fit's range, the same at every GPU count."""
-    return RECORD.lo, RECORD.hi
-
-
-def header(record: Record = RECORD, loss: Loss = FITTED) -> str:
-    """The one line every output with a central E and its range begins with."""
+def header(record: Record = RECORD, loss: Loss | None = FITTED) -> str:
+    """The line every output with a central E begins with; `loss` None: the record only."""
     sign = ("all" if record.positive == record.count else "most" if
             record.positive * 2 > record.count else "not most")  # fmt: skip
+    bare = (f"checked against {record.count} published measurements: model error median "
+            f"{record.median_abs:.3f}, worst {record.worst:+.3f}, {sign} positive "
+            "(model high)")  # fmt: skip
+    if loss is None:
+        return bare
     return (
-        f"checked against {record.count} published measurements: model error median "
-        f"{record.median_abs:.3f}, worst {record.worst:+.3f}, {sign} positive (model high); "
-        f"central figure includes a fitted loss of {loss.describe()} (fit on {FIT_ON}); "
-        f"range [E {record.lo:+.3f}, E {record.hi:+.3f}] covers {record.covered} of "
+        f"{bare}; central figure includes a fitted loss of {loss.describe()} (fit on "
+        f"{FIT_ON}); range [E {record.lo:+.3f}, E {record.hi:+.3f}] covers {record.covered} of "
         f"{record.count} held out (each series predicted by a fit on the others), "
         f"median width {record.median_width:.3f}"
     )
@@ -181,23 +179,28 @@ def measured_points(
 def fit_measured(points: Sequence[Point], start: Loss = FITTED) -> tuple[Loss, tuple[str, ...]]:
     """The parameters a user's runs can tell: `multi` when the smallest count is 1 GPU,
     `per_doubling` when two counts of 2 or more are measured; the others kept at
-    `start`'s. Returns the loss and the names fitted."""
+    `start`'s; one fitted below 0 (a step shorter than the bare one) held at 0, the other
+    refitted. Returns the loss and the names fitted."""
     counts = {pt.gpus for pt in points} | {pt.ref for pt in points}
     free = []
-    if min(counts) < 2 and max(counts) >= 2:
+    if min(counts, default=2) < 2 and max(counts) >= 2:  # no points: none free
         free.append("multi")
     if len({p for p in counts if p >= 2}) >= 2:
         free.append("per_doubling")
     if not free:
-        raise ValueError("one GPU count: nothing to fit against")
-    return fit(points, tuple(free), start), tuple(free)
+        raise ValueError("fewer than two GPU counts: nothing to fit against")
+    loss = fit(points, tuple(free), start)
+    below = [k for k in free if getattr(loss, k) < 0]
+    if rest := below and tuple(k for k in free if k not in below):
+        loss = fit(points, rest, replace(loss, **dict.fromkeys(below, 0.0)))
+    return replace(loss, **{k: max(0.0, getattr(loss, k)) for k in free}), tuple(free)
 
 
-def measured_range(points: Sequence[Point], loss: Loss, gpus: int) -> tuple[float, float]:
+def measured_range(points: Sequence[Point], loss: Loss, gpus: int, margin=MEASURED_MARGIN):
     """(lo, hi) at `gpus` for a fit on a user's runs: the fit's residuals, and at least
-    MEASURED_MARGIN either side for each doubling beyond the largest count measured
-    (one at least)."""
+    `margin` either side for each doubling beyond the largest count measured (one at
+    least)."""
     res = residuals(points, loss) or [0.0]
     largest = max(max(pt.gpus, pt.ref) for pt in points)
-    margin = MEASURED_MARGIN * max(1.0, math.log2(gpus / largest))
+    margin = margin * max(1.0, math.log2(gpus / largest))
     return min(min(res), -margin), max(max(res), margin)

@@ -26,7 +26,7 @@ from ddp.buckets import CANDIDATES_MB
 from profiling.common.report import command_line, markdown_table, produced_by
 from profiling.simulate import accuracy, clusters, model_args, outputs
 from profiling.simulate.layouts import torch_buckets, uniform_buckets
-from profiling.simulate.scale import _numbers
+from profiling.simulate.scale import numbers
 from profiling.simulate.schedule import StageSchedule, Workload, simulate
 from profiling.simulate.topology import cost_model
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
     """The table of `caps_on_cluster`, its assumptions first."""
     try:
         cluster, custom = clusters.from_args(args)
-        given = sorted(set(_numbers(args.gpus, "gpus", int)))
+        given = sorted(set(numbers(args.gpus, "gpus", int)))
         gpus = [p for p in given if p >= 2]  # 1 GPU: nothing to all-reduce, no choice
         if not gpus or min(given) < 1:
             raise ValueError(f"--gpus {args.gpus}: GPU counts of 2 or more (1 GPU all-reduces "
@@ -149,7 +149,8 @@ def verdict(row: dict) -> str:
 def accuracy_note() -> str:
     """The model's published error record, under the table: its steps are the bare
     model's; the loss `scale` adds is the same for every layout at one GPU count, so it
-    moves no choice of cap."""
+    moves no choice of the fastest cap, but the gain and the tie rule are on bare steps."""
     return ("Steps are the bare model's, which runs high: " + accuracy.header()
             + ". That loss is the same for every layout at one GPU count: it changes no "
-            "fastest cap.")  # fmt: skip
+            "fastest cap; the gain and the tie rule use the bare steps (with the loss "
+            "added to both, each gain would be a little smaller).")  # fmt: skip

@@ -1,5 +1,4 @@
-"""One simulated step, drawn: a compute lane and a communication lane, as the
-stage pages draw the traced step.
+"""One simulated step, drawn in the stage pages' two lanes: compute and communication.
 
     python -m profiling.simulate gantt --model resnet50 --cluster li2020 --gpus 32
 

@@ -13,7 +13,7 @@ from profiling.simulate import presets
 from profiling.simulate.usermodel import (
     DTYPE_BYTES,
     FLOPS_METHOD,
-    MEASURE_BATCH,
+    MEASURED_METHOD,
     OPTIMIZER_BYTES,
     READY_METHODS,
     measure_spec,
@@ -93,9 +93,7 @@ def from_args(args: argparse.Namespace, gpu: str, memory_bytes_per_s: float):
         optimizer_s = prof.parameters * OPTIMIZER_BYTES[optimizer] / memory_bytes_per_s
         optimizer_source = (f"{optimizer}: {OPTIMIZER_BYTES[optimizer]} B per parameter at "
                             f"the {gpu}'s memory bandwidth")  # fmt: skip
-        ready = FLOPS_METHOD
-        if prof.method == "measured":
-            ready = f"one backward timed on this CPU at batch {MEASURE_BATCH}"
+        ready = MEASURED_METHOD if prof.method == "measured" else FLOPS_METHOD
     w = workload(prof, iteration_s, optimizer_s, args.dtype)
     lines = [
         f"model {args.model}: {len(prof.names)} gradients, {prof.parameters:,} parameters, "

@@ -58,6 +58,7 @@ from profiling.simulate.topology import cost_model
 DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
 DEFAULT_CAPS_MB = [1, 2, 5, 10, 25, 50, 100, 200]
 PER_PARAMETER, ONE_BUCKET = "per parameter", "one bucket"
+PUBLISHED_SPREAD = (accuracy.RECORD.lo, accuracy.RECORD.hi)  # the range's, at every count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--after-backward", action="store_true",
         help="all-reduce after backward (bucketed) instead of during it")
     add("--measured", metavar="P:MS,...",
-        help="ms per step of your own runs at some of --gpus (batch per GPU as "
-        "--batch-size), e.g. 1:180,2:190,8:197: the loss the model leaves out is fitted "
-        "on them instead of on published measurements (profiling.simulate.accuracy)")
+        help="ms per step of your own runs at 2+ GPU counts, in --gpus or not, the smallest "
+        "the smallest of --gpus (batch per GPU as --batch-size), e.g. 1:180,2:190,8:197: the "
+        "loss the model leaves out is fitted on them instead of on published measurements")
     # fmt: on
     outputs.add_arguments(parser)
     parser.add_argument("--json", help="write the results JSON here (besides --out's files)")
@@ -124,11 +125,12 @@ def sweep(
     overlap: bool = True,
     slowdown: float = 0.0,
     loss: accuracy.Loss | None = None,
-    spread=accuracy.published_spread,
+    spread=lambda _: PUBLISHED_SPREAD,
 ) -> dict:
     """E(p) at `bucket_cap_mb` and the bucket-size curve at every p in `gpus`. With
-    `loss`, E(p) is the central figure (the bare model's steps plus the loss; the bare
-    one as `bare_efficiency`) and `range` is E + `spread(p)` (none at the reference)."""
+    `loss`, E(p) is the central figure (the bare steps plus the loss: `central_step_s`;
+    the bare E `bare_efficiency`) and `range` is E + `spread(p)` (none at the reference),
+    its top at most the bare E and 1 (the bare model is high on every published row)."""
     shapes = layouts(workload, sorted(set(caps_mb) | {bucket_cap_mb}))
     curve, scaling = [], []
     for p in gpus:
@@ -163,9 +165,9 @@ def sweep(
         central = [loss.step_s(r["step_s"], workload.compute_s, r["gpus"]) for r in scaling]
         for row, step in zip(scaling, central, strict=True):
             lo, hi = spread(row["gpus"]) if row is not scaling[0] else (0.0, 0.0)
-            row.update(bare_efficiency=row["efficiency"], loss_s=step - row["step_s"],
-                       efficiency=central[0] / step)  # fmt: skip
-            row["range"] = [row["efficiency"] + lo, row["efficiency"] + hi]
+            bare, e = row["efficiency"], central[0] / step
+            row.update(bare_efficiency=bare, loss_s=step - row["step_s"], central_step_s=step,
+                       efficiency=e, range=[e + lo, max(e, min(e + hi, bare, 1.0))])  # fmt: skip
     curve = [r for r in curve if r["layout"] in _curve_labels(caps_mb)]
     return {"scaling": scaling, "bucket_curve": curve}
 
@@ -177,7 +179,8 @@ def _curve_labels(caps_mb: list[float]) -> list[str]:
     return [PER_PARAMETER, *(f"{c:g}" for c in caps_mb), ONE_BUCKET]
 
 
-def _numbers(text: str, name: str, kind=float) -> list:
+def numbers(text: str, name: str, kind=float) -> list:
+    """The numbers of a comma-separated flag, --`name`, or one line naming it."""
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -185,8 +188,8 @@ def _numbers(text: str, name: str, kind=float) -> list:
 
 
 def parse_measured(text: str, gpus: list[int]) -> dict[int, float]:
-    """--measured P:MS,... as {GPUs: seconds per step}; one line naming --measured for
-    anything else."""
+    """--measured P:MS,... as {GPUs: seconds per step}, the smallest count the smallest of
+    `gpus` (the residuals are Es against it); one line naming --measured for anything else."""
     try:
         pairs = [item.split(":") for item in text.split(",") if item.strip()]
         times = [(int(p), float(ms)) for p, ms in pairs]
@@ -194,13 +197,11 @@ def parse_measured(text: str, gpus: list[int]) -> dict[int, float]:
         raise SystemExit(f"scale: --measured {text!r}: expected GPUS:MS pairs, "
                          "e.g. 1:180,2:190,8:197") from None  # fmt: skip
     for p, ms in times:
-        if p not in gpus:
-            raise SystemExit(f"scale: --measured: {p} GPUs is not among --gpus "
-                             f"{','.join(map(str, gpus))}; add it there")  # fmt: skip
         if not 0 < ms < float("inf"):
             raise SystemExit(f"scale: --measured: {ms:g} ms at {p} GPUs; times must be > 0")
-    if len({p for p, _ in times}) != len(times) or len(times) < 2:
-        raise SystemExit(f"scale: --measured {text!r}: two or more GPU counts, each once")
+    if len({p for p, _ in times}) != len(times) or len(times) < 2 or min(times)[0] != min(gpus):
+        raise SystemExit(f"scale: --measured {text!r}: two or more GPU counts, each once, "
+                         f"the smallest {min(gpus)} (the smallest of --gpus)")  # fmt: skip
     return {p: ms / 1e3 for p, ms in times}
 
 
@@ -208,20 +209,25 @@ def fitted_term(args, gpus, workload, topo, overlap: bool):
     """The loss the model leaves out and each count's range: the published fit's, or with
     --measured one fitted on the user's own runs; and the lines that say which."""
     if not getattr(args, "measured", None):
-        return accuracy.FITTED, accuracy.published_spread, [accuracy.header()]
+        return accuracy.FITTED, lambda _: PUBLISHED_SPREAD, [accuracy.header()]
     times = parse_measured(args.measured, gpus)
     buckets = uniform_buckets(workload, args.bucket_cap_mb)
-    bare = {p: step_seconds(workload, buckets, cost_model(topo.with_gpus(p), args.algorithm),
-                            overlap=overlap, slowdown=args.slowdown) for p in times}  # fmt: skip
-    points = accuracy.measured_points(times, bare, workload.compute_s)
-    try:
+    try:  # counts outside --gpus too: the cluster must take them
+        clusters.check_gpus(topo, args.algorithm, sorted(times))
+        bare = {p: step_seconds(workload, buckets, cost_model(topo.with_gpus(p), args.algorithm),
+                                overlap=overlap, slowdown=args.slowdown)
+                for p in times}  # fmt: skip
+        points = accuracy.measured_points(times, bare, workload.compute_s)
         loss, free = accuracy.fit_measured(points)
     except ValueError as error:
-        raise SystemExit(f"scale: --measured {args.measured}: {error}") from None
-    said = {k: "fitted" if k in free else "kept at the published fit's" for k in
-            ("multi", "per_doubling")}  # fmt: skip
-    largest = max(times)
+        raise SystemExit(f"scale: --measured {args.measured}: "
+                         + str(error).replace("--gpus", "GPU count")) from None  # fmt: skip
+    held = ("held at 0: the fit put it below 0, your runs scaling better than the bare "
+            "model; check --iteration-ms and --measured")  # fmt: skip
+    said = {k: ("fitted" if getattr(loss, k) else held) if k in free else
+            "kept at the published fit's" for k in ("multi", "per_doubling")}  # fmt: skip
     return loss, lambda p: accuracy.measured_range(points, loss, p), [
+        f"bare model {accuracy.header(loss=None)}; central figure: "
         f"fitted on your runs at {', '.join(map(str, sorted(times)))} GPUs (--measured): "
         f"loss_multi {loss.multi:.4f} ({said['multi']}), loss_per_doubling "
         f"{loss.per_doubling:.4f} ({said['per_doubling']})",
@@ -229,14 +235,13 @@ def fitted_term(args, gpus, workload, topo, overlap: bool):
         + ", ".join(f"{pt.gpus}: {pt.published:.3f} (fit {pt.central(loss):.3f})"
                     for pt in points)
         + f"; range: the fit's residuals, at least +-{accuracy.MEASURED_MARGIN:.3f} for "
-        f"each doubling beyond {largest} GPUs",
-        accuracy.header(),
+        f"each doubling beyond {max(times)} GPUs, its top at most the bare model's E and 1",
     ]  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
-    gpus = sorted(set(_numbers(args.gpus, "gpus", int)))  # the smallest: the reference
-    caps = _numbers(args.bucket_caps, "bucket-caps")
+    gpus = sorted(set(numbers(args.gpus, "gpus", int)))  # the smallest: the reference
+    caps = numbers(args.bucket_caps, "bucket-caps")
     try:
         if not 0 <= args.slowdown < math.inf:  # also NaN; below 0 backward would speed up
             raise ValueError(f"--slowdown {args.slowdown:g}: backward's slowdown while a "

@@ -22,7 +22,7 @@ What the step model needs from it (`schedule.Workload`):
     - `measured`: the module built for real and trained a few steps on this machine's
       CPU at batch 2 (`measure`), each gradient's ready time stamped by the same hook;
       a large model takes minutes, so it says on stderr which step of how many it is
-      on, and the time elapsed, every few seconds (`Progress`);
+      on, and the time elapsed, every few seconds (`Heartbeat`);
   forward's share of forward and backward comes from the same method;
 - **the iteration time**: `--iteration-ms`, one GPU's forward, backward and optimizer
   at `--batch-size`; without it, on a machine with a GPU, measured there (`measure`
@@ -60,6 +60,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 READY_METHODS = ("flops", "measured")
 MEASURE_BATCH = 2  # `measured`: small, so a large model fits in this machine's memory
 MEASURE_REPEATS = 3  # timed steps after one untimed
+MEASURED_METHOD = (f"timed on this CPU at batch {MEASURE_BATCH}: medians of {MEASURE_REPEATS} "
+                   "steps after one warm-up")  # fmt: skip
 PROGRESS_EVERY_S = 5.0  # `measured`: a line on stderr at least this often
 OPTIMIZER_BYTES = {"sgd": 5 * 4, "adam": 7 * 4}  # float32 bytes per parameter, read and written
 
@@ -131,8 +133,10 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
 
 
 # An nn.Embedding of learned positions, by its name: BERT's `position_embeddings`, GPT-2's
-# `wpe`, BART's `embed_positions`, `pos_emb`, `positional_embedding`, ...
-POSITION_EMBEDDING = re.compile(r"(^|\.)wpe$|position|pos_?emb|embed_?pos", re.IGNORECASE)
+# `wpe`, BART's `embed_positions`, ... at the start of a name's part (split on . and _, so
+# not "decomposition"); not a relative-position table, indexed by distances (RELATIVE).
+POSITION_EMBEDDING = re.compile(r"(^|[._])(wpe$|position|pos_?emb|embed_?pos)", re.IGNORECASE)
+RELATIVE = re.compile(r"relative|(^|[._])rel_", re.IGNORECASE)
 
 
 def position_limit(model) -> tuple[str, int] | None:
@@ -143,7 +147,8 @@ def position_limit(model) -> tuple[str, int] | None:
     name, so a table named otherwise goes unchecked here."""
     tables = [(m.num_embeddings - (0 if m.padding_idx is None else m.padding_idx + 1), name)
               for name, m in model.named_modules()
-              if isinstance(m, nn.Embedding) and POSITION_EMBEDDING.search(name)]  # fmt: skip
+              if isinstance(m, nn.Embedding) and POSITION_EMBEDDING.search(name)
+              and not RELATIVE.search(name)]  # fmt: skip
     return (min(tables)[1], min(tables)[0]) if tables else None
 
 
@@ -258,7 +263,7 @@ def flops_profile(model, x) -> Profile:
 # --8<-- [end:flops]
 
 
-class Progress:
+class Heartbeat:
     """Lines on stderr while a measurement runs, so that a long one shows it is alive:
     what is measured, where it is (`update`: a string, or a callable for a count that
     changes, such as gradients ready) and the seconds elapsed; one at each `update`,
@@ -300,7 +305,7 @@ class Progress:
         while not self._stop.wait(min(self.every_s, 1.0)):
             self.poll()
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Heartbeat:
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
         self._thread.start()
         return self
@@ -322,7 +327,7 @@ class Timing:
 
 def measure(
     model, x, device: str, *, repeats: int = MEASURE_REPEATS, warmup: int = 1,
-    optimizer: str = "sgd", progress: Progress | None = None,
+    optimizer: str = "sgd", progress: Heartbeat | None = None,
 ) -> tuple[Profile, Timing]:  # fmt: skip
     """Train `repeats` steps after `warmup` untimed ones: forward with the loss, backward,
     the optimizer's step. Marks by `ddp.clock.DeviceClock` (CUDA events on a GPU, so a
@@ -395,11 +400,11 @@ def measure_spec(
     spec: str, input_shape: Sequence[int], batch: int, device: str, **kwargs
 ) -> tuple[Profile, Timing]:
     """`measure` of the model `spec` names, built for real on `device`, seeded; with a
-    line on stderr every few seconds (`Progress`) unless `progress=None` is given."""
+    line on stderr every few seconds (`Heartbeat`) unless `progress=None` is given."""
     factory = load_factory(spec)
     shape = ",".join(map(str, input_shape))
-    progress = kwargs.pop("progress", Progress(f"measuring {spec} at batch {batch} of "
-                                               f"--input-shape {shape} on {device}"))  # fmt: skip
+    progress = kwargs.pop("progress") if "progress" in kwargs else Heartbeat(
+        f"measuring {spec} at batch {batch} of --input-shape {shape} on {device}")  # fmt: skip
     with progress or contextlib.nullcontext():
         if progress:
             progress.update(f"building it on {device}")

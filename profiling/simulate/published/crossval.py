@@ -18,6 +18,8 @@
 
 Then the record the core holds (`accuracy.FITTED`, `RECORD`, `MEASURED_MARGIN`)
 recomputed from the same rows; tests/test_simulate_accuracy.py checks they are equal.
+The tables are printed and written to runs/simulate/accuracy.md (or --out; with --docs,
+docs/results/accuracy.md) unless --no-files.
 """
 
 from __future__ import annotations
@@ -185,8 +187,7 @@ def measure_small_predict_large(data: dict[str, list[Point]] | None = None) -> l
     for model, (pts, large, loss) in predicted.items():
         margin = max(abs(o[1].central(o[2]) - o[1].published)
                      for m, o in predicted.items() if m != model)  # fmt: skip
-        res = residuals(pts, loss)
-        lo, hi = min(min(res), -margin), max(max(res), margin)  # one doubling beyond 8
+        lo, hi = accuracy.measured_range(pts, loss, LARGE, margin=margin)  # 1 doubling
         out.append(Checked(f"{model}: fit on {', '.join(map(str, SMALL))} GPUs, E({LARGE})",
                            large.published, large.central(accuracy.NO_LOSS),
                            large.central(loss), lo, hi))  # fmt: skip

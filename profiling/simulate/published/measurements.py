@@ -328,7 +328,9 @@ def plot(table: list[Row], path) -> None:
         if all(r.with_terms is not None for r in rows):
             ax.plot(gpus, [r.with_terms for r in rows], marker="^", color="tab:blue",
                     label="model with the terms")  # fmt: skip
-        multi = [(g, 1 / (1 / r.predicted + accuracy.FITTED.fraction(g)))
+        # Against 1 GPU without DDP, whose bare step is its compute (as crossval.series).
+        multi = [(g, accuracy.Point(g, 1, 1 / r.predicted, 1.0, r.published)
+                  .central(accuracy.FITTED))
                  for g, r in zip(gpus, rows, strict=True) if g >= 2]  # fmt: skip
         ax.plot([g for g, _ in multi], [e for _, e in multi], marker="D", ms=4,
                 color="tab:orange", label="central (fitted loss)")  # fmt: skip
