@@ -338,7 +338,7 @@ def summary(result: dict) -> str:
             f"{r['gpus']:>6} {r['nodes']:>6} {r['step_s'] * 1e3:>9.1f} "
             f"{r['exposed_s'] * 1e3:>11.1f} {r['efficiency']:>7.3f}" + more
         )
-    for p, best, step in best_caps(result):
+    for p, best, step in (c for c in best_caps(result) if c[0] > 1):  # 1 GPU: no all-reduce
         lines.append(f"{p:>6} GPUs: fastest layout {best} ({step * 1e3:.1f} ms)")
     return "\n".join(lines)
 
