@@ -8,6 +8,7 @@ inspect torch's implementation rather than what a user sees)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -35,7 +36,13 @@ def outcomes(path: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    torch_xml, ours_xml = argv if argv is not None else sys.argv[1:]
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.conformance.outcomes", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("torch_xml", help="junit XML of the run with torch's DDP")
+    parser.add_argument("ours_xml", help="junit XML of the run with the drop-in")
+    args = parser.parse_args(argv)
+    torch_xml, ours_xml = args.torch_xml, args.ours_xml
     theirs, ours = outcomes(torch_xml), outcomes(ours_xml)
     print(f"torch's DDP: {dict(Counter(theirs.values()))}")
     print(f"drop-in:     {dict(Counter(ours.values()))}")
