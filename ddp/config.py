@@ -168,7 +168,9 @@ class RankZeroParser(argparse.ArgumentParser):
     arguments: the others exit with the same status, silently, instead of printing the
     same usage block (or --help) once per rank."""
 
-    QUIET_RANK_WAIT_S = 5.0
+    # Long enough for rank 0 to import torch and parse on a busy machine (5 s was not);
+    # torchrun stops this rank as soon as rank 0 fails, so it is never waited out then.
+    QUIET_RANK_WAIT_S = 60.0
 
     def print_usage(self, file: IO[str] | None = None) -> None:
         if rank_zero():

@@ -46,7 +46,7 @@ PLUGIN = "/data/plugin/pytorch_profiler"
 WEBCOMPONENTS = ROOT / ".vendor/webcomponents.js-0.7.24/webcomponents.min.js"  # Makefile
 # Limits that only a hang reaches; every wait polls for what it waits for, and ends as soon
 # as that is there. The plugin parses these traces in 5 s, 20 s on a busy 2-core machine.
-STARTUP_S = 600  # TensorBoard up, with every run loaded
+STARTUP_S = 1800  # TensorBoard up, every run loaded: its profiler spawns a process per run
 ANSWER_S = 300  # one HTTP answer (a view the plugin computes on first request)
 PAGE_S = 300  # a page to load, a chart to draw
 

@@ -36,7 +36,7 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]  # fmt: skip
-STARTUP_S = 120
+STARTUP_S = 600  # on a busy machine TensorBoard takes minutes to list its runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,13 +146,13 @@ def shoot(page, url: str, tags: str, out: Path, server: subprocess.Popen) -> Non
     page.locator("tf-tag-filterer input").first.fill(tags)
     matching = page.locator("tf-category-paginated-view").first  # "Tags matching ..."
     drawn = "paths => paths.filter(p => (p.getAttribute('d') || '').includes('L')).length"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while True:  # every matching chart has drawn lines
         cards = matching.locator("tf-scalar-card").all()
         if cards and all(c.locator("path.line").evaluate_all(drawn) > 0 for c in cards):
             break
         if time.monotonic() > deadline:
-            raise SystemExit(f"no chart for tags matching {tags!r} drew a line in 60 s")
+            raise SystemExit(f"no chart for tags matching {tags!r} drew a line in 300 s")
         time.sleep(0.5)
     time.sleep(2)  # the lines fade in
     out.parent.mkdir(parents=True, exist_ok=True)
