@@ -40,6 +40,7 @@ PAGES = [
     "benchmarks/",
     *(f"bench/{p.stem}/" for p in sorted((ROOT / "docs/bench").glob("*.md"))),
     "scaling/",
+    "accuracy/",
     "anatomy/",
 ]
 # Source that should have been rendered: snippet includes, the hooks' placeholders, a
