@@ -29,7 +29,9 @@ demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Glo
 
 test: $(BIN)/.installed browser  ## lint, the whole suite, and the strict docs build
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	# One worker per core (at most 4), a test file per worker at a time: most tests wait on
+	# processes they start (torchrun, Gloo ranks, a browser), so a lone pytest leaves a core idle.
+	$(BIN)/pytest --numprocesses auto --maxprocesses 4 --dist loadfile
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
 
 docs: $(BIN)/.installed
