@@ -327,7 +327,9 @@ def format_table(
 
 def main(stage_cls: type[nn.Module], argv: list[str] | None = None) -> RunResult:
     """What `torchrun ... -m stages.<name>` runs: train, then report and check."""
-    stage_name = Path(inspect.getfile(stage_cls)).stem  # stages/<name>.py, also as __main__
+    # stages/<name>.py (also when run as __main__), or stages/<name>/__init__.py (drop_in)
+    path = Path(inspect.getfile(stage_cls))
+    stage_name = path.parent.name if path.name == "__init__.py" else path.stem
     buckets = "bucket_cap_mb" in keyword_options(stage_cls)
     cfg = parse_config(
         argv,

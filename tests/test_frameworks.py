@@ -19,8 +19,8 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
 import stages.drop_in
-from ddp import class_swap
 from stages.drop_in import DistributedDataParallel as DropIn
+from stages.drop_in import class_swap
 from tests.against_torch import EXACT, TIGHT, assert_same, grads_of, params_of, run_checked
 
 

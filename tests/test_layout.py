@@ -3,9 +3,11 @@ inside `profiling` its groups in order (what every group uses, the tools, the si
 the course and the studies), the simulator's core importing neither its checks nor
 `stages`; no module that imports one which imports it back, by any path (every import
 counts: at the top, inside a function, or under `TYPE_CHECKING`, since each is a
-dependency a reader must hold in mind); imports at the top of modules, a local one only
-with its reason; no two modules of one name unless they play one role in parallel
-packages; and no file in `profiling/` longer than a reader takes in at once."""
+dependency a reader must hold in mind); `ddp` holds only what more than one stage, the
+harness or `profiling` uses, and reads no stage's private attributes; imports at the top
+of modules, a local one only with its reason; no two modules of one name unless they play
+one role in parallel packages; and no file in `profiling/` longer than a reader takes in
+at once."""
 
 from __future__ import annotations
 
@@ -118,6 +120,93 @@ def test_each_layer_imports_only_the_layers_below_it():
         if LAYERS.index(dep.split(".")[0]) > LAYERS.index(module.split(".")[0])
     ]
     assert wrong == []
+
+
+def ddp_modules_of_one_stage(graph: dict[str, set[str]]) -> list[str]:
+    """Every module in ddp/ that serves one stage alone: it belongs beside that stage (as
+    the drop-in's torch surface sits in `stages/drop_in/`). A module's users are the
+    stage packages, profiling and the `stages` harness that import it, directly or
+    through other modules in ddp/ (one that only another ddp module imports serves
+    whom that one serves)."""
+
+    def users(module: str, seen: frozenset = frozenset()) -> set[str]:
+        out = set()
+        for user, deps in graph.items():
+            if module in deps and user not in seen:
+                if user.startswith("ddp."):
+                    out |= users(user, seen | {module})
+                else:
+                    out.add(".".join(user.split(".")[:2]))
+        return out
+
+    wrong = []
+    for module in sorted(m for m in graph if m.startswith("ddp.")):
+        served = users(module)
+        if len(served) == 1 and next(iter(served)).startswith("stages."):
+            wrong.append(f"{module} serves {next(iter(served))} alone")
+    return wrong
+
+
+def test_every_module_in_ddp_serves_more_than_one_stage():
+    assert ddp_modules_of_one_stage(import_graph()) == []
+
+
+def test_a_module_in_ddp_of_one_stage_is_found():
+    # ddp.a and ddp.d (through ddp.a) serve stages.x alone; ddp.b two stages; ddp.c profiling.
+    graph = {"ddp.a": {"ddp.d"}, "ddp.b": set(), "ddp.c": set(), "ddp.d": set(),
+             "stages.x": {"ddp.a", "ddp.b"}, "stages.x.helper": {"ddp.a"},
+             "stages.y": {"ddp.b"}, "profiling.p": {"ddp.c"}}  # fmt: skip
+    assert ddp_modules_of_one_stage(graph) == [
+        "ddp.a serves stages.x alone",
+        "ddp.d serves stages.x alone",
+    ]
+
+
+def stage_private_names() -> set[str]:
+    """The single-underscore names the classes in stages/ own: each assigned as
+    `self._name` (state) or defined as a method."""
+    names = set()
+    for path in (ROOT / "stages").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                names |= {f.name for f in node.body
+                          if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}  # fmt: skip
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads(source: str, private: set[str]) -> list[tuple[int, str]]:
+    """(line, expression) for each access to one of `private` on anything but `self`,
+    `cls` or `super()`: another object's private state."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr in private):
+            continue
+        owner = node.value.func if isinstance(node.value, ast.Call) else node.value
+        if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls", "super")):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_ddp_reads_no_stages_private_attributes():
+    private = stage_private_names()
+    assert {"_awaiting_sync", "_start_backward"} <= private  # state and methods, collected
+    reads = [f"{p.relative_to(ROOT)}:{line}: {what}"
+             for p in sorted((ROOT / "ddp").rglob("*.py"))
+             for line, what in private_reads(p.read_text(), private)]  # fmt: skip
+    assert reads == [], "ddp/ reads a stage's private state: move that code beside the stage"
+
+
+def test_a_read_of_a_stages_private_attribute_is_found():
+    source = (
+        "class Stage:\n"
+        "    def f(self, ddp):\n"
+        "        self._x = super()._x\n"
+        "        return ddp._x, ddp.wrapper()._y, ddp._other, ddp.public\n"
+    )
+    assert private_reads(source, {"_x", "_y"}) == [(4, "ddp._x"), (4, "ddp.wrapper()._y")]
 
 
 def group_of(module: str) -> str | None:

@@ -1,6 +1,6 @@
 """torch DDP's constructor arguments, checked as torch checks them: what the drop-in
 does not implement, the one device per process torch still supports, the rules for
-syncing buffers, and `mixed_precision`'s config (`ddp.mixed_precision`). Each error
+syncing buffers, and `mixed_precision`'s config (`mixed_precision.py`). Each error
 names the argument."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp.mixed_precision import check_mixed_precision
+from stages.drop_in.mixed_precision import check_mixed_precision
 
 
 def check_arguments(

@@ -39,6 +39,13 @@ What frameworks reach past the public methods is here too: `reducer` (its
 `prepare_for_backward`), `_get_ddp_logging_data()`, and what torch.compile reads to cut
 its graph where buckets end. `install()` puts this class where code looks up torch's
 (docs: "Using the drop-in with your framework").
+
+This stage is a package: what only it needs of torch's surface sits beside this file,
+out of `ddp/` (which holds what several stages or the harness share). `torch_args`
+checks the constructor's arguments as torch does, `mixed_precision` casts to param_dtype
+and back, `logging_data` keeps torch's logging data, `reducer` is what frameworks call on
+`model.reducer` and the node that starts static_graph's step, `class_swap` is what
+`install()` does; `python -m stages.drop_in` runs `__main__.py`.
 """
 
 from __future__ import annotations
@@ -52,13 +59,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp import class_swap
 from ddp.dist import broadcast_buffers, import_dynamo_first
-from ddp.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
-from ddp.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
-from ddp.reducer import Reducer, Sink, flatten
-from ddp.torch_args import buffer_sync, check_arguments
 from stages.auto_bucket import AutoBucketDDP
+from stages.drop_in import class_swap
+from stages.drop_in.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
+from stages.drop_in.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
+from stages.drop_in.reducer import Reducer, Sink, flatten
+from stages.drop_in.torch_args import buffer_sync, check_arguments
 from stages.unused_params import parameters_reached
 
 # A script or framework that makes its own process group imports this module first
@@ -470,8 +477,8 @@ class DistributedDataParallel(AutoBucketDDP):
 
 def install() -> None:
     """Make torch's `DistributedDataParallel` name this class, in torch and in every
-    module already imported (`ddp.class_swap`): one call before a framework (accelerate,
-    Lightning) or a script builds its DDP, and it builds this one."""
+    module already imported (`class_swap.py`, beside this file): one call before a
+    framework (accelerate, Lightning) or a script builds its DDP, and it builds this one."""
     class_swap.swap_ddp_class(DistributedDataParallel)
 
 
@@ -482,9 +489,3 @@ def uninstall() -> None:
 
 def _default_group() -> dist.ProcessGroup:
     return dist.group.WORLD
-
-
-if __name__ == "__main__":
-    from ddp.train import main
-
-    main(DistributedDataParallel)

@@ -1,5 +1,5 @@
 """What frameworks and torch's autograd reach inside torch's DDP, for a wrapper written
-in Python: the reducer's methods they call (`ddp.reducer`), and the node on forward's
+in Python: the reducer's methods they call (`model.reducer`), and the node on forward's
 outputs whose backward starts a step's synchronisation in the right graph task."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def flatten(output) -> tuple[list[torch.Tensor], Callable]:
 
 
 class Reducer:
-    """The methods of torch's C++ reducer that frameworks call on `ddp.reducer`."""
+    """The methods of torch's C++ reducer that frameworks call on `model.reducer`."""
 
     def __init__(self, ddp: nn.Module):
         self._ddp = weakref.ref(ddp)
