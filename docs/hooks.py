@@ -8,6 +8,11 @@ page already shows, folded (pymdownx.details) when longer than FOLD_LINES lines.
 stages are subclasses, each file holding only its new idea, so these blocks *are* the
 idea, and they cannot go stale: they are computed from the classes on every build.
 
+`{{ backward_path() }}` (docs/final_class.md) becomes the table of which method of which
+stage runs at each point of one gradient's path, traced from one warm step of the drop-in
+on a 1-rank Gloo group in this process (`profiling/course/backward_path.py`, well under a
+second), so it cannot name fewer methods than run.
+
 Also makes relative `pymdownx.snippets` base paths relative to mkdocs.yml, so the build
 works from any directory, not only the repository root.
 """
@@ -18,6 +23,7 @@ import difflib
 import importlib
 import inspect
 import linecache
+import posixpath
 import re
 import sys
 import textwrap
@@ -26,7 +32,7 @@ from pathlib import Path
 import torch
 from mkdocs.exceptions import PluginError
 
-FUNCTIONS = "stage_diff"
+FUNCTIONS = "stage_diff|backward_path"
 PLACEHOLDER = re.compile(rf"\{{\{{\s*(?P<fn>{FUNCTIONS})\((?P<arg>.*?)\)\s*\}}\}}")
 QUOTED_NAME = re.compile(r"""\s*(?P<q>["'])(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P=q)\s*""")
 LEFTOVER = re.compile(rf"\{{\{{[^\n]*?({FUNCTIONS})[^\n]*")  # e.g. one missing its }}
@@ -41,10 +47,11 @@ FOLD_LINES = 30  # a diff longer than this is folded into a collapsible block
 
 _root = Path(__file__).resolve().parent.parent  # replaced by mkdocs.yml's folder in on_config
 _stages: dict[str, type] | None = None
+_backward_path: tuple | None = None  # (the tracing module, its trace), once per build
 
 
 def on_config(config):
-    global _root, _stages
+    global _root, _stages, _backward_path
     _root = Path(config.config_file_path).resolve().parent
     snippets = config.mdx_configs.get("pymdownx.snippets", {})
     if "base_path" in snippets:
@@ -52,6 +59,7 @@ def on_config(config):
         paths = [paths] if isinstance(paths, str) else paths
         snippets["base_path"] = [str(_root / p) for p in paths]
     _stages = None  # re-import on every build, so `mkdocs serve` shows edited stages
+    _backward_path = None
     return config
 
 
@@ -66,6 +74,13 @@ def on_page_markdown(markdown, page, config, files):
 
     def replace(match: re.Match) -> str:
         fn, arg = match.group("fn"), match.group("arg")
+        if fn == "backward_path":
+            if arg.strip():
+                raise PluginError(
+                    f"{page.file.src_uri}: bad placeholder {match.group(0)!r}; "
+                    "write {{ backward_path() }}"
+                )
+            return backward_path(page.file.src_uri)
         quoted = QUOTED_NAME.fullmatch(arg)
         if quoted is None:
             raise PluginError(
@@ -95,6 +110,20 @@ def load_stages() -> dict[str, type]:
         linecache.checkcache()
         _stages = dict(importlib.import_module("stages").STAGES)
     return _stages
+
+
+def backward_path(where: str = "final_class.md") -> str:
+    """The traced table of one gradient's path, linking the stage pages from the page at
+    `where` (a path under docs/)."""
+    global _backward_path
+    stages = load_stages()  # also puts the repository root first on sys.path
+    if _backward_path is None:
+        sys.modules.pop("profiling.course.backward_path", None)  # fresh, as the stages are
+        tracer = importlib.import_module("profiling.course.backward_path")
+        _backward_path = (tracer, tracer.trace(stage_classes=stages))
+    tracer, traced = _backward_path
+    up = posixpath.relpath("stages", posixpath.dirname(where) or ".")
+    return tracer.page_text(traced, stage_link=up + "/{}.md")
 
 
 def _shown_on_page(markdown: str) -> dict[str, dict[str, str]]:

@@ -5,7 +5,9 @@ names the command that remakes it (`python -m profiling.course.<module> --help`)
 - `simulated_steps`: the same steps as the step model draws them;
 - `anatomy`: the data behind the page with sliders;
 - `ring_figure`, `drawings`: schematics no trace can show;
-- `tensorboard_screenshot`: TensorBoard over traced runs.
+- `tensorboard_screenshot`: TensorBoard over traced runs;
+- `backward_path`: which stage's method runs at each point of one gradient's path, the
+  final class's page's table (the docs build renders it from a fresh trace).
 
 They use the tools (`profiling.compare`, `profiling.cluster`, ...) and the simulator;
 nothing below imports them."""
