@@ -18,13 +18,19 @@ or one that came twice), which every rank then raises.
 Cost: one more integer in the status summed every synchronised backward; with the flag
 only, the graph walk after every forward and n more integers in the status (n:
 trainable parameters), as torch's DDP exchanges its "used" bitmap only with the flag.
+A walk that finds every parameter used says so on stderr, once per process, in torch's
+words: the flag then costs time for nothing.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
+from datetime import datetime
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp.buckets import Bucket
@@ -59,16 +65,28 @@ class UnusedParamsDDP(MissingGradsDDP):
         output = super().forward(*inputs, **kwargs)
         self._unreached = []
         if torch.is_grad_enabled() and self._sync_this_backward and self._search_unused():
-            reached = parameters_reached(output)
-            self._unreached = [
-                k for k, (_, p) in enumerate(self.named_trainable) if id(p) not in reached
-            ]
+            self._unreached = self._unreached_from(output)
         return output
 
     def _search_unused(self) -> bool:
         """Whether to walk the graph from this forward's outputs (the drop-in's
         static_graph stops once the first backward has found the unused ones)."""
         return self.find_unused_parameters
+
+    def _unreached_from(self, output) -> list[int]:
+        """Positions of the trainable parameters that `output`'s graph does not lead to."""
+        reached = parameters_reached(output)
+        unreached = [k for k, (_, p) in enumerate(self.named_trainable) if id(p) not in reached]
+        if not unreached:  # the walk bought nothing this step
+            self._nothing_unused()
+        return unreached
+
+    def _nothing_unused(self) -> None:
+        """A walk found every parameter used: say, as torch's DDP says from the same place
+        (its reducer's search), that the flag costs a walk per step for nothing
+        (`warn_nothing_unused`). The drop-in's static_graph, whose first step walks where
+        torch's never does, keeps quiet."""
+        warn_nothing_unused()
 
     # --8<-- [end:forward]
 
@@ -196,6 +214,36 @@ def parameters_reached(output) -> set[int]:
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return reached
+
+
+# torch's words, to the letter (its double space too): a log filter written for torch's
+# warning hides this one.
+NOTHING_UNUSED = (
+    "find_unused_parameters=True was specified in DDP constructor, but did not find any "
+    "unused parameters in the forward pass. This flag results in an extra traversal of the "
+    "autograd graph every iteration,  which can adversely affect performance. If your model "
+    "indeed never has any unused parameters in the forward pass, consider turning this flag "
+    "off. Note that this warning may be a false positive if your model has flow control "
+    "causing later iterations to have unused parameters."
+)
+_said_nothing_unused = False  # in this process
+
+
+def warn_nothing_unused() -> None:
+    """NOTHING_UNUSED as torch 2.13 writes it (reducer.cpp's search_unused_parameters,
+    TORCH_WARN_ONCE): a line of C++'s log on stderr, not a Python warning (`warnings`
+    filters do not hide it), once per process, so once on every rank; at every walk under
+    `torch.set_warn_always(True)`; never at TORCH_CPP_LOG_LEVEL=ERROR or FATAL."""
+    global _said_nothing_unused
+    if _said_nothing_unused and not torch.is_warn_always_enabled():
+        return
+    _said_nothing_unused = True
+    if os.environ.get("TORCH_CPP_LOG_LEVEL", "").upper() in ("2", "ERROR", "3", "FATAL"):
+        return
+    rank = f"[rank{dist.get_rank()}]:" if dist.is_initialized() else ""
+    stamp = datetime.now().strftime("%m%d %H:%M:%S.%f")
+    print(f"{rank}[W{stamp} unused_params.py] Warning: {NOTHING_UNUSED}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:

@@ -7,9 +7,14 @@ is run with torch's DDP as well, on the same script, and the results compared.""
 from __future__ import annotations
 
 import copy
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,8 @@ import stages.drop_in
 from stages.drop_in import DistributedDataParallel as DropIn
 from stages.drop_in import class_swap
 from tests.against_torch import EXACT, TIGHT, assert_same, grads_of, params_of, run_checked
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ddp_class(which: str) -> type:
@@ -53,6 +60,31 @@ def test_install_puts_the_drop_in_where_torch_ddp_was_imported() -> None:
     finally:
         stages.drop_in.uninstall()
         del already_imported.DDPAlias
+
+
+def test_swap_reaches_ranks_the_script_spawns(tmp_path) -> None:
+    """`python -m stages.swap` on a script whose ranks torch.multiprocessing.spawn starts
+    as fresh interpreters (as ignite's idist.Parallel does): they build the drop-in too,
+    through the sitecustomize the swap puts first on their PYTHONPATH; and the
+    sitecustomize that one hides still runs, in the parent and in both ranks."""
+    hidden = (
+        'import os\nos.write(1, f"hidden sitecustomize ran in pid {os.getpid()}\\n".encode())\n'
+    )
+    (tmp_path / "sitecustomize.py").write_text(hidden)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    script = ROOT / "tests" / "fixtures" / "spawned_ranks.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "stages.swap", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = re.findall(r"^(parent|rank \d) \(pid (\d+)\): (\S+)$", out.stdout, re.M)
+    drop_in = "stages.drop_in.DistributedDataParallel"
+    assert sorted((who, cls) for who, _, cls in reports) == [
+        ("parent", drop_in), ("rank 0", drop_in), ("rank 1", drop_in)
+    ], out.stdout  # fmt: skip
+    hidden_ran = set(re.findall(r"^hidden sitecustomize ran in pid (\d+)$", out.stdout, re.M))
+    assert {pid for _, pid, _ in reports} <= hidden_ran, out.stdout
 
 
 # --- static_graph as torch documents it -----------------------------------------------

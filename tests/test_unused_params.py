@@ -2,26 +2,35 @@
 which branches forward runs changes per step, micro-batch and rank. And the errors: a
 parameter unused on some ranks without the flag, where torch's DDP hangs, and a loss that
 reaches a parameter the output does not, where it raises; the stage raises on every
-rank and leaves the group usable."""
+rank and leaves the group usable. And the line torch's DDP writes when the flag finds
+nothing unused: the drop-in writes it where and as often as torch's does."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from stages.drop_in import DistributedDataParallel as DropIn
+from stages.drop_in.class_swap import TORCH_DDP
+from stages.unused_params import NOTHING_UNUSED
 from tests.adapters import build_wrapper, stages_from
 from tests.against_torch import EXAMPLES, assert_same, grads_of, params_of, run_both
-from tests.nets import BRANCHES, Branchy, TwoHeads
-from tests.pool import RankError
+from tests.nets import BRANCHES, Branchy, TwoHeads, UserNet
+from tests.pool import RankError, free_port
 
 SECONDS = 120  # a hang fails the test after this long instead of blocking CI
 
@@ -254,3 +263,92 @@ def test_gradient_accumulated_in_no_sync_is_averaged(pool, stage: str) -> None:
     expected = (runs[0][0] + runs[1][0]) / 2  # computed here, from each rank's own
     for rank, (_, averaged) in enumerate(runs):
         torch.testing.assert_close(averaged, expected, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+# --- torch's warning when the flag finds nothing unused --------------------------------
+
+# What each rank runs, in this order, with torch's class and then the drop-in's: (name,
+# DDP options, whether the model has a layer forward never calls, whether every backward
+# is inside no_sync()). torch warns once per process: the order is part of the test.
+NOTHING_UNUSED_SCENARIOS = (
+    ("a layer unused", {"find_unused_parameters": True}, True, False),
+    ("flag off", {}, False, False),
+    ("static_graph", {"find_unused_parameters": True, "static_graph": True}, False, False),
+    ("inside no_sync", {"find_unused_parameters": True}, False, True),
+    ("all used", {"find_unused_parameters": True}, False, False),
+    ("all used, a second model", {"find_unused_parameters": True}, False, False),
+)
+
+
+def nothing_unused_run(rank: int, port: int, log_dir: str) -> None:
+    """One rank in a fresh process (torch's warning comes once per process): its stderr
+    (fd 2, where torch's C++ log and Python's sys.stderr both write) into a file of its
+    own, a marker line before every step, and any Python warning caught, with its text."""
+    log = open(os.path.join(log_dir, f"rank{rank}.txt"), "w")  # open while the process lives
+    os.dup2(log.fileno(), 2)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for cls in (TORCH_DDP, DropIn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name, options, unused_layer, no_sync in NOTHING_UNUSED_SCENARIOS:
+                torch.manual_seed(rank)
+                ddp = cls(UserNet(unused=unused_layer), **options)
+                for step in range(3):
+                    marker = f"-- {cls.__module__} | {name} | step {step}"
+                    print(marker, file=sys.stderr, flush=True)
+                    with ddp.no_sync() if no_sync else nullcontext():
+                        ddp(torch.randn(4, 3)).square().mean().backward()
+        for w in caught:
+            print(f"== {cls.__module__} | {w.message}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+
+
+def said_nothing_unused(text: str) -> dict[tuple[str, str], list]:
+    """What a rank's stderr `text` holds, per (class's module, channel): on "stderr",
+    [(scenario and step, the words)] of each line that says no parameter was unused; on
+    "warnings", the Python warnings its scenarios raised."""
+    said: dict[tuple[str, str], list] = {}
+    where = who = ""
+    for line in text.splitlines():
+        if line.startswith("-- "):
+            who, scenario, step = line[3:].split(" | ")
+            where = f"{scenario}, {step}"
+        elif line.startswith("== "):
+            module, message = line[3:].split(" | ", 1)
+            said.setdefault((module, "warnings"), []).append(message)
+        elif "did not find any unused parameters" in line:
+            words = line.split("] Warning: ", 1)[-1].removesuffix(" (function operator())")
+            said.setdefault((who, "stderr"), []).append((where, words))
+    return said
+
+
+def test_nothing_unused_is_said_as_torch_says_it(tmp_path) -> None:
+    """find_unused_parameters=True with every parameter used: torch's DDP writes one line
+    on stderr (C++'s log, not a Python warning) on every rank, at the first synchronised
+    forward, and never again in that process; nothing with a layer unused, without the
+    flag, with static_graph, or inside no_sync(). The drop-in says the same, in the same
+    words, at the same step, and raises the same Python warnings (static_graph's, that
+    the flag is not needed with it)."""
+    context = mp.start_processes(
+        nothing_unused_run,
+        args=(free_port(), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + SECONDS * 2
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, f"no end in {SECONDS * 2} s: a hang"
+    finally:
+        for process in context.processes:
+            process.kill()
+    torch_ddp = "torch.nn.parallel.distributed"
+    for rank in range(2):
+        said = said_nothing_unused((tmp_path / f"rank{rank}.txt").read_text())
+        for channel in ("stderr", "warnings"):
+            torchs = said.get((torch_ddp, channel), [])
+            ours = said.get(("stages.drop_in", channel), [])
+            assert ours == torchs, f"rank {rank}, {channel}: the drop-in's {ours}, torch's {torchs}"
+        assert said[(torch_ddp, "stderr")] == [("all used, step 0", NOTHING_UNUSED)], said

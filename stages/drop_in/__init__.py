@@ -66,7 +66,6 @@ from stages.drop_in.logging_data import RuntimeStats, gradient_bytes, layout_rec
 from stages.drop_in.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
 from stages.drop_in.reducer import Reducer, Sink, flatten
 from stages.drop_in.torch_args import buffer_sync, check_arguments
-from stages.unused_params import parameters_reached
 
 # A script or framework that makes its own process group imports this module first
 # (`install()` comes before the framework's import): torch._dynamo imported now, before
@@ -143,7 +142,7 @@ class DistributedDataParallel(AutoBucketDDP):
         )
         self.device_ids = device_ids
         self.output_device = output_device
-        self.static_graph = static_graph
+        self.static_graph = False  # True through _set_static_graph() below, as in torch
         # What torch's logging data reports (`_get_ddp_logging_data`, below).
         self._stats = RuntimeStats()
         self._logged_error: str | None = None
@@ -159,6 +158,8 @@ class DistributedDataParallel(AutoBucketDDP):
         self._expected: list[int] | None = None
         self._static_pending: tuple[list, list[int]] | None = None  # (buckets, counts)
         self._static_unused: list[int] = []  # positions whose gradient did not come
+        if static_graph:
+            self._set_static_graph()
 
     def _broadcast_initial_states(self) -> None:
         if self._init_sync:  # init_sync=False: the caller promises identical replicas
@@ -247,6 +248,15 @@ class DistributedDataParallel(AutoBucketDDP):
                 )
             )
         self.static_graph = True
+        if self.find_unused_parameters:  # torch's warning, in its words
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do "
+                "not need to set find_unused_parameters=true, just be sure these unused "
+                "parameters will not change during training loop while calling "
+                "`_set_static_graph`.",
+                stacklevel=2,
+            )
 
     # --8<-- [end:forward]
 
@@ -353,6 +363,10 @@ class DistributedDataParallel(AutoBucketDDP):
     def _search_unused(self) -> bool:  # found in the first backward: not searched again
         return super()._search_unused() and not (self.static_graph and self._expected)
 
+    def _nothing_unused(self) -> None:
+        if not self.static_graph:  # torch's static_graph never walks, so never warns
+            super()._nothing_unused()
+
     def _status_row(self, arrived: list[int]) -> list[int]:
         row = super()._status_row(arrived)
         if self.static_graph and self._expected is not None:  # unused ones are not missing
@@ -393,12 +407,7 @@ class DistributedDataParallel(AutoBucketDDP):
         if self.static_graph and self._expected is not None:
             self._unreached = self._static_unused  # found in the first backward
         elif self.find_unused_parameters:
-            reached = parameters_reached(outputs) if outputs else None
-            self._unreached = [
-                k
-                for k, (_, p) in enumerate(self.named_trainable)
-                if reached is not None and id(p) not in reached
-            ]
+            self._unreached = self._unreached_from(outputs) if outputs else []
 
     def _start_backward(self) -> None:
         self._stats.mark("backward_compute_start")
