@@ -80,8 +80,11 @@ def test_allreduce_runs_at_the_shaped_rate(cluster: VirtualCluster) -> None:
     result = cluster.probe(megabytes=25, iterations=4)
     expected = expected_allreduce_MBps(10**9, 2)
     assert expected == pytest.approx(125.0)
-    print(f"all-reduce {result['MBps']:.1f} MB/s, expected {expected:.1f}")
-    assert result["MBps"] == pytest.approx(expected, rel=0.15), result
+    # The fastest repeat: the shaped link caps every one, and a busy machine can only slow
+    # some (a median of 99 MB/s was seen with two busy loops beside the suite).
+    fastest = result["bytes"] / min(result["seconds"]) / 1e6
+    print(f"all-reduce {fastest:.1f} MB/s at best, expected {expected:.1f}")
+    assert fastest == pytest.approx(expected, rel=0.15), result
 
 
 @needs_cluster
