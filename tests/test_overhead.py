@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from profiling.overhead.cli import variant_order
-from profiling.overhead.tables import BARE, REFERENCE, paired_summary
+from profiling.overhead.tables import BARE, REFERENCE, format_table, paired_summary, world_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +52,17 @@ def test_rounds_where_the_reference_added_nothing_have_no_ratio():
     # Without the reference there is nothing to compare with.
     del per_round[REFERENCE]
     assert paired_summary(per_round, parameters=1)["naive"]["ratio"] is None
+
+
+def test_the_sentence_says_when_the_reference_added_nothing():
+    # On a busy machine torch_ddp can add nothing measurable in every round: the table
+    # still ends with a sentence on the last stage (no ratio), then its step's ratio.
+    seconds = {BARE: [1.0e-3, 1.0e-3], "drop_in": [1.2e-3, 1.3e-3], REFERENCE: [0.9e-3, 1.0e-3]}
+    record = {"parameters": 1, "wall_s": seconds, "cpu_s": seconds,
+              "replicas_identical": {"drop_in": True, REFERENCE: True}}  # fmt: skip
+    text = format_table(world_result(2, record, elapsed_s=1.0), rounds=2, last="drop_in")
+    assert "drop_in: no ratio at 2 ranks" in text
+    assert "drop_in's step is 1.317x" in text  # (1.2/0.9 + 1.3/1.0) / 2
 
 
 def test_bare_and_the_reference_always_run_in_stage_order():
