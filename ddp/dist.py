@@ -12,10 +12,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ddp.watchdog import Watchdog
 
 _watchdog: Watchdog | None = None  # the heartbeat of the group setup_process_group made
+JOIN_TIMEOUT_S = 300.0  # at least, for every rank to join the group (ddp.train's default --timeout)
 # Groups made once and shared by every wrapper that asks with the same key (new_group is
 # collective and costly); dropped at teardown, so that no group outlives it.
 _shared_groups: dict[object, list[dist.ProcessGroup]] = {}
@@ -56,18 +58,24 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
         raise ValueError(f"unknown backend {backend!r}; pick gloo, nccl or auto")
     if not dist.is_initialized():
         import_dynamo_first()
-        # 10% over the watchdog's, which names the missing rank where Gloo cannot.
-        timeout = timedelta(seconds=timeout_s * 1.1) if timeout_s is not None else None
         store, rank, world_size = next(dist.rendezvous("env://"))
         # torchrun's agent keeps one store across restarts, and keys of the attempt before
         # (the dead workers' Gloo addresses) would be read as this attempt's: restarted
         # workers then fail to connect, or wait on each other. A prefix per attempt.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"attempt-{attempt}", store)
+        # Making the group waits for every rank to start, and one may start late (a busy
+        # or slow node): at least JOIN_TIMEOUT_S for that. Collectives then time out 10%
+        # after the watchdog's timeout, so the watchdog, which can name a missing rank
+        # where Gloo cannot, speaks first. (torch gives no public way to set the two
+        # apart: `_set_pg_timeout` changes what init set.)
+        join_s = max(JOIN_TIMEOUT_S, timeout_s * 1.1) if timeout_s is not None else None
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=None if join_s is None else timedelta(seconds=join_s),
+        )  # fmt: skip
         if timeout_s is not None:
+            _set_pg_timeout(timedelta(seconds=timeout_s * 1.1))
             global _watchdog
             _watchdog = Watchdog(dist.PrefixStore("heartbeat", store), rank, world_size, timeout_s)
     return device

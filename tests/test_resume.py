@@ -260,6 +260,19 @@ def test_stopped_rank_is_named_after_timeout() -> None:
     assert process.returncode != 0
 
 
+def test_a_rank_that_starts_after_the_timeout_still_joins() -> None:
+    """--timeout bounds a collective, not the wait for every rank to start: rank 1 starts
+    three timeouts after rank 0 (as on a busy or slow node), and the run trains."""
+    timeout_s = 2.0
+    rank_1_late = (
+        f'[ "$RANK" = 1 ] && sleep {3 * timeout_s:g}; exec {sys.executable} -m stages.naive '
+        f"--model mlp --steps 2 --timeout {timeout_s:g}"
+    )
+    process = launch("--nproc-per-node", "2", "--no-python", "sh", "-c", rank_1_late)
+    out, _ = process.communicate(timeout=600)  # only a hang reaches it
+    assert process.returncode == 0, out[-3000:]
+
+
 def worker_pids(torchrun_pid: int) -> list[int]:
     """The children of torchrun's process: its workers."""
     children = []
