@@ -31,8 +31,8 @@ test: $(BIN)/.installed browser  ## lint, the whole suite, and the strict docs b
 	$(BIN)/ruff check .
 	# One worker per core (at most 4), a test file per worker at a time: most tests wait on
 	# processes they start (torchrun, Gloo ranks, a browser), so a lone pytest leaves a core idle.
+	# The suite builds the docs with `mkdocs build --strict` (tests/test_docs_site.py).
 	$(BIN)/pytest --numprocesses auto --maxprocesses 4 --dist loadfile
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
 
 docs: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8000

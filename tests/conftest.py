@@ -10,7 +10,11 @@ from tests.pool import GlooPool
 ROOT = Path(__file__).resolve().parent.parent
 # The files that take longest (minutes each, on 2 cores), started first: `make test` hands
 # whole files to its workers in collection order, and one started last ends the run last.
-LONGEST_FIRST = ("test_suite.py", "test_conformance.py", "test_docs_site.py", "test_torchrun.py")
+LONGEST_FIRST = (
+    "test_suite.py", "test_conformance.py", "test_docs_site.py", "test_torchrun.py",
+    "test_tensorboard.py", "test_simulate_user_model.py", "test_resume.py",
+    "test_auto_bucket.py", "test_command_line.py", "test_cluster.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -95,6 +95,11 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+def test_the_site_builds_in_strict_mode(site: Path) -> None:
+    """`make test`'s docs build: any warning (a broken link, a missing snippet) fails it."""
+    assert (site / "index.html").is_file()
+
+
 @pytest.fixture(scope="module")
 def served(site: Path):
     """The built site over HTTP on 127.0.0.1 (a free port), from a thread of this process."""
