@@ -92,6 +92,7 @@ class AutoBucketDDP(JoinDDP):
         # position in named_trainable -> when its gradient was ready (a DeviceClock mark: on a
         # GPU, when the GPU finished it, not when the CPU queued it)
         self._ready_marks: dict[int, Mark] = {}
+        self._timing_hooks: list = []  # their hooks' handles, in the one timed backward
         self.auto_bucket_choice: dict | None = None  # what was measured and chosen
         self._layout: Layout | None = None  # the layout built or on trial; None before
         self._order: list[int] = []  # the replayed ready order, the same on every rank
@@ -107,8 +108,11 @@ class AutoBucketDDP(JoinDDP):
     # --8<-- [start:forward]
     def _before_synced_forward(self) -> None:
         super()._before_synced_forward()
+        for handle in self._timing_hooks:  # the timed backward is over
+            handle.remove()
+        self._timing_hooks = []
         if self.auto_bucket and self._synced_backwards == 1:  # time the second: warmed up
-            self._ready_times = []  # stage overlapped's hook appends each gradient's mark
+            self._time_gradients()
         # After the second synchronised backward (shadowed ones count: Join), on every rank.
         if self.auto_bucket and self._synced_backwards >= 2 and self.auto_bucket_choice is None:
             self._choose_bucket_cap()
@@ -116,6 +120,26 @@ class AutoBucketDDP(JoinDDP):
             self._next_trial()
         elif self.auto_bucket and self.auto_bucket_choice is None:
             self._step_start = self._trial_clock()  # a step before the choice starts
+
+    def _time_gradients(self) -> None:
+        """Until the next synchronised forward, when each gradient is ready: a clock mark
+        per position in `_ready_marks` (on a GPU, when the GPU has finished it), from
+        hooks of this stage's own, run before those that launch buckets, so that no
+        launch delays a mark."""
+        clock, marks = self._clock, self._ready_marks
+
+        def timing_hook(k: int):
+            def mark(_) -> None:
+                if k not in marks:  # the first backward's mark: the one timed
+                    marks[k] = clock.mark()
+
+            return mark
+
+        self._timing_hooks = [
+            p.register_post_accumulate_grad_hook(timing_hook(k))
+            for k, (_, p) in enumerate(self.named_trainable)
+        ]
+        self._use_buckets(self.buckets, self.bucket_cap_mb)  # their hooks again, after these
 
     @property
     def auto_bucket_pending(self) -> bool:
@@ -128,8 +152,9 @@ class AutoBucketDDP(JoinDDP):
         measured[n + 2] = self._trial_clock() - self._step_start  # the step that just ended
         clock = self._clock
         clock.wait()
+        first = next(iter(self._ready_marks.values()), None)
         for k, mark in self._ready_marks.items():  # seconds since the first gradient
-            measured[k] = clock.seconds(self._first_ready, mark)
+            measured[k] = clock.seconds(first, mark)
         measured[n], measured[n + 1] = self._time_allreduce()
         measured = measured.to(self._collective_device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -256,20 +281,6 @@ class AutoBucketDDP(JoinDDP):
         return latency, per_byte
 
     # --8<-- [end:forward]
-
-    # --8<-- [start:backward]
-    def _clock_mark(self) -> Mark:
-        return self._clock.mark()  # on a GPU, when the GPU has finished the gradient
-
-    def _finish_backward(self) -> None:
-        if self._ready_times is not None:  # the timed backward: each gradient's mark, by k
-            arrived = self._arrived[self._sync_from :]
-            self._ready_marks = dict(zip(arrived, self._ready_times, strict=False))
-            self._first_ready = self._ready_times[0] if self._ready_times else None
-            self._ready_times = None
-        super()._finish_backward()
-
-    # --8<-- [end:backward]
 
 
 def _runs(named: Members, sizes: list[int]) -> list[Members]:

@@ -32,13 +32,17 @@ class BucketedDDP(NaiveDDP):
         if not bucket_cap_mb > 0:  # checked first: a bad argument, whatever else is wrong
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
         super().__init__(module, **options)
-        self.bucket_cap_mb = bucket_cap_mb
         # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket;
         # a sparse gradient (nn.Embedding(sparse=True)) alone, as it is.
         self._sparse = sparse_gradient_names(module)
-        self.buckets = assign_buckets(
-            list(module.named_parameters()), bucket_cap_mb, sparse=self._sparse
-        )
+        named = list(module.named_parameters())
+        self._use_buckets(assign_buckets(named, bucket_cap_mb, sparse=self._sparse), bucket_cap_mb)
+
+    def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
+        """Send the gradients in these buckets (of at most bucket_cap_mb MiB each) from now
+        on. A later stage may lay them out again, or extend this to give them room or a
+        dtype of their own first."""
+        self.buckets, self.bucket_cap_mb = buckets, bucket_cap_mb
 
     # --8<-- [end:construction]
 
@@ -48,9 +52,9 @@ class BucketedDDP(NaiveDDP):
         """Average every gradient over the ranks, one flat buffer per bucket."""
         # Replaces stage 1's loop over parameters (its checks still run first).
         self._start_synchronization()
-        self._divisor = self._grad_divisor()
+        divisor = self._grad_divisor()
         for bucket in self.buckets:
-            self._fill(bucket)
+            self._fill(bucket, divisor)
             with span(bucket.span):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
             self._unload(bucket)
@@ -58,16 +62,20 @@ class BucketedDDP(NaiveDDP):
     def _grad_divisor(self) -> int:
         return self.world_size  # the sum over ranks of g / W is the mean
 
-    def _fill(self, bucket: Bucket) -> None:
-        """The bucket's buffer := its gradients / the divisor (sum of g/W = mean, as torch's
-        reducer divides): one copy of all of them (a foreach op, one call for the whole
-        bucket) and one division of the flat buffer."""
-        if bucket.sparse:  # its bucket holds it alone: the buffer is the gradient
-            bucket.buffer = bucket.params[0].grad / self._divisor
+    def _fill(self, bucket: Bucket, divisor: int) -> None:
+        """The bucket's buffer := its gradients / divisor (sum of g/W = mean, as torch's
+        reducer divides): a copy of all of them, then one division of the flat buffer."""
+        self._copy_in(bucket)
+        if divisor != 1:  # a pass over the buffer for nothing
+            bucket.buffer.div_(divisor)
+
+    def _copy_in(self, bucket: Bucket) -> None:
+        """The gradients into the bucket's buffer: one foreach copy, one call for the whole
+        bucket. A sparse gradient's bucket holds it alone: its buffer is a copy of it."""
+        if bucket.sparse:
+            bucket.buffer = bucket.params[0].grad.clone()
             return
         torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
-        if self._divisor != 1:  # 1: a comm hook divides by itself
-            bucket.buffer.div_(self._divisor)
 
     def _unload(self, bucket: Bucket) -> None:
         """The averages, from the bucket back into `.grad`: one foreach copy."""

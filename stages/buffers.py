@@ -47,7 +47,7 @@ class BuffersDDP(UnusedParamsDDP):
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
+        if self._buffers_due():
             self._broadcast_buffers()
         output = super().forward(*inputs, **kwargs)
         # The next forward broadcasts only if this one will synchronise its backward.
@@ -55,6 +55,15 @@ class BuffersDDP(UnusedParamsDDP):
             torch.is_grad_enabled() and self.require_backward_grad_sync
         )
         return output
+
+    def _buffers_due(self) -> bool:
+        """Whether this forward starts with one rank's buffers: the option is on, the
+        forward before it synchronised (torch's rule), and the module has buffers."""
+        return (
+            self.broadcast_buffers
+            and self.require_forward_param_sync
+            and bool(self._module_buffers)
+        )
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         """Every buffer of the module from group rank `src`, one broadcast per dtype."""

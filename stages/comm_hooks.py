@@ -53,8 +53,11 @@ class CommHooksDDP(RebuiltBucketsDDP):
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
         self._comm_hook, self._comm_state = hook, state
-        if self._awaiting_sync and not self._finish_queued:  # between a forward and its backward
-            self._prepare_for_backward()  # the step's facts again: divisor, status's route
+        if self._awaiting_sync and not self._backward.started:  # after forward, before backward
+            # What the hook changes in the step forward prepared: no division, and the
+            # status in an all-reduce of its own.
+            self._backward.divisor = self._grad_divisor()
+            self._route_status()
 
     def _grad_divisor(self) -> int:
         # A hook gets the sum and averages by itself, as torch's built-in hooks do.
@@ -66,8 +69,9 @@ class CommHooksDDP(RebuiltBucketsDDP):
     def _send(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
         if self._comm_hook is None:
             return super()._send(bucket)
-        if self._in_flight:  # one hook at a time: see the module docstring
-            self._in_flight[-1][1].wait()
+        in_flight = self._backward.in_flight
+        if in_flight:  # one hook at a time: see the module docstring
+            in_flight[-1][1].wait()
         with span(f"comm hook bucket {bucket.index} ({bucket.nbytes} B)"):
             future = self._comm_hook(
                 self._comm_state, GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
@@ -91,8 +95,9 @@ class CommHooksDDP(RebuiltBucketsDDP):
         # A hook may issue collectives from its future's callbacks, on a Gloo thread
         # (PowerSGD does): the status goes after the last bucket's have all been issued,
         # or the ranks could issue them in different orders.
-        if self._comm_hook is not None and self._in_flight:
-            self._in_flight[-1][1].wait()
+        in_flight = self._backward.in_flight
+        if self._comm_hook is not None and in_flight:
+            in_flight[-1][1].wait()
         return super()._send_status(row)
 
     # --8<-- [end:backward]

@@ -35,10 +35,11 @@ class GradViewsDDP(BuffersDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _fill(self, bucket: Bucket) -> None:
+    def _copy_in(self, bucket: Bucket) -> None:
         if not self.gradient_as_bucket_view or bucket.sparse:  # a sparse gradient is no view
-            super()._fill(bucket)
+            super()._copy_in(bucket)
             return
+        # Autograd summed the gradients into the bucket itself: only fresh ones are copied.
         for param, view in zip(bucket.params, bucket.views, strict=True):
             grad = param.grad
             if grad is None:  # missing here (stage missing_grads): adds zero to the sum
@@ -48,9 +49,6 @@ class GradViewsDDP(BuffersDDP):
                 # copied in once, and from now on .grad is the view.
                 view.copy_(grad)
                 param.grad = view
-        # Autograd summed the others into the bucket itself: only the division is left.
-        if self._divisor != 1:  # 1: a comm hook divides by itself
-            bucket.buffer.div_(self._divisor)
 
     # --8<-- [end:backward]
 

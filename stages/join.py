@@ -23,6 +23,11 @@ as in torch), so a step in which a rank has joined averages over fewer samples b
 keeps the same scale; `False` divides by the ranks still in. Cost: two small
 all-reduces per forward inside the context manager (three when buffers are
 broadcast: the ranks agree on a source that has not left), none outside it.
+
+The shadow step keeps two counters of earlier stages as a real step would: stage
+rebuilt_buckets' `_synced_backwards` (a shadowed backward counts, so the ranks rebuild
+together) and stage buffers' `require_forward_param_sync` (whether the next forward
+broadcasts buffers).
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
         syncs = bool(syncs.item())
         if syncs:
             self._before_synced_forward()  # rebuilds, and whatever later stages add there
-        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
+        if self._buffers_due():
             super()._broadcast_buffers(self._common_rank(candidate=False))
         self.require_forward_param_sync = syncs
         if syncs:
@@ -125,24 +130,23 @@ class JoinDDP(RoundRobinDDP, Joinable):
         """The backward the others run: every bucket, in order, with zeros from us; then
         the status of a rank that misses nothing and used nothing (and, if the others'
         says something went wrong, the row of such a rank)."""
-        # As a rank whose every gradient came as expected, and that used nothing.
+        # As a rank whose every gradient came as expected, and that used nothing: the
+        # state a forward makes, with every gradient noted.
+        self._prepare_for_backward()
+        backward = self._backward
         everything = self._shadow_arrivals()
-        self._arrived, self._sync_from = everything, 0
-        self._unreached, self._problems, self._used = [], [], set()
-        self._status_rides = self._status_can_ride()  # as the others decide it
-        self._in_flight = []  # a comm hook waits for the bucket before it, as in backward
-        for bucket in self.buckets:
+        backward.arrived.extend(everything)
+        for bucket in self.buckets:  # the last, with the status
             bucket.buffer.zero_()
-            self._in_flight.append((bucket, self._send(bucket)))  # the last, with the status
+            backward.in_flight.append((bucket, self._send(bucket)))
         status = None if self._status_rides else self._send_status(self._status_row(everything))
-        for _, work in self._in_flight:
+        for _, work in backward.in_flight:
             work.wait()
         if status is None:
             summed = self._read_tail()
         else:
             status[1].wait()
             summed = status[0].tolist()
-        self._arrived = []
         if self._went_wrong(summed):  # the others raise: so does this rank, not wait on
             self._raise_on_every_rank(self._exchange_status(self._error_row(set(everything))))
         self._synced_backwards += 1

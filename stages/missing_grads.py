@@ -63,12 +63,12 @@ class MissingGradsDDP(SkipSyncDDP):
         self._status_rides = False  # in the last bucket's all-reduce, this step
         self._told_ready: set[int] = set()  # the positions the last status counted as come
 
-    def _register_hooks(self) -> None:
-        # Runs after every (re)build of the buckets: the last one, if dense, gets room
-        # for the status after its gradients.
-        if self.buckets:
-            self.buckets[-1] = self.buckets[-1].with_tail(len(self.status_columns))
-        super()._register_hooks()
+    def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
+        # At every (re)build of the buckets: the last one, if dense, gets room for the
+        # status after its gradients.
+        if buckets:
+            buckets = [*buckets[:-1], buckets[-1].with_tail(len(self.status_columns))]
+        super()._use_buckets(buckets, bucket_cap_mb)
 
     @property
     def _collective_device(self) -> torch.device:
@@ -83,8 +83,13 @@ class MissingGradsDDP(SkipSyncDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:forward]
-    def _prepare_for_backward(self) -> None:
-        super()._prepare_for_backward()
+    def _prepare_for_backward(self, syncs: bool = True) -> None:
+        super()._prepare_for_backward(syncs)
+        self._route_status()
+
+    def _route_status(self) -> None:
+        """Decide, for the backward that follows, whether the status rides in the last
+        bucket; every rank decides the same, from the same buckets and options."""
         self._status_rides = self._status_can_ride()
 
     def _status_can_ride(self) -> bool:
@@ -96,7 +101,7 @@ class MissingGradsDDP(SkipSyncDDP):
     # --8<-- [start:backward]
     def _send(self, bucket: Bucket) -> dist.Work:
         if bucket.status is not None and self._status_rides:  # after the division
-            row = self._status_row(self._arrived[self._sync_from :])
+            row = self._status_row(self._backward.arrived)
             for i, value in enumerate(row):  # a fill each, not a copy: on a GPU, no wait
                 bucket.status[i].fill_(value)
         return super()._send(bucket)
@@ -105,15 +110,16 @@ class MissingGradsDDP(SkipSyncDDP):
 
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
-        arrived = self._arrived[self._sync_from :]
+        backward = self._backward
+        arrived = backward.arrived
         ready = set(arrived)
         self._all_arrived = len(ready) == len(self.named_trainable)
         # Complete every bucket, so that every rank issues the same all-reduces in the
         # same order and none can hang: what did not come adds the gradient the parameter
-        # already holds (from no_sync() micro-batches), else zeros (`_fill`, below). The
-        # last one takes the status with it, counting what is missing.
-        if self._next_bucket < len(self.buckets):
-            self._pending = [0] * len(self.buckets)
+        # already holds (from no_sync() micro-batches), else zeros (`_copy_in`, below).
+        # The last one takes the status with it, counting what is missing.
+        if backward.next_bucket < len(self.buckets):
+            backward.complete()
             self._launch_ready_buckets()
         status = None if self._status_rides else self._send_status(self._status_row(arrived))
         super()._finish_backward()  # waits for every bucket and copies the averages out
@@ -127,9 +133,9 @@ class MissingGradsDDP(SkipSyncDDP):
             # bucket had gone (the one before it came twice) counts as missing.
             self._raise_on_every_rank(self._exchange_status(self._error_row(self._told_ready)))
 
-    def _fill(self, bucket: Bucket) -> None:
+    def _copy_in(self, bucket: Bucket) -> None:
         if not any(map(_is_none, [p.grad for p in bucket.params])):
-            super()._fill(bucket)
+            super()._copy_in(bucket)
             return
         for param, view in zip(bucket.params, bucket.views or [bucket.buffer], strict=True):
             if param.grad is None:  # missing here: adds zero to the sum, and we raise after it
@@ -138,8 +144,6 @@ class MissingGradsDDP(SkipSyncDDP):
                 bucket.buffer = param.grad.clone()
             else:
                 view.copy_(param.grad)
-        if self._divisor != 1:  # 1: a comm hook divides by itself
-            bucket.buffer.div_(self._divisor)
 
     def _unload(self, bucket: Bucket) -> None:
         if self._all_arrived:
@@ -172,7 +176,7 @@ class MissingGradsDDP(SkipSyncDDP):
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         """The status summed over every rank in an all-reduce of its own, where it cannot
         ride in the last bucket's: (the tensor it lands in, its work)."""
-        for bucket, work in self._in_flight:
+        for bucket, work in self._backward.in_flight:
             if bucket.sparse:
                 # On Gloo, a collective launched while a sparse all-reduce still runs on
                 # the same group corrupts the heap now and then (torch 2.13): not ours.

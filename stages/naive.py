@@ -50,12 +50,17 @@ class NaiveDDP(nn.Module):
     def forward(self, *inputs, **kwargs):
         if torch.is_grad_enabled():
             if self._awaiting_sync:
-                raise RuntimeError(
-                    f"{type(self).__name__}: forward called again before "
-                    "finish_gradient_synchronization(); call it after each loss.backward()"
-                )
+                self._forward_before_sync()
             self._awaiting_sync = True
         return self.module(*inputs, **kwargs)
+
+    def _forward_before_sync(self) -> None:
+        """A forward while the one before it still waits for its synchronisation: most
+        likely a forgotten backward or finish, so an error."""
+        raise RuntimeError(
+            f"{type(self).__name__}: forward called again before "
+            "finish_gradient_synchronization(); call it after each loss.backward()"
+        )
 
     # --8<-- [end:forward]
 

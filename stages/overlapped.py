@@ -13,13 +13,18 @@ stage finishes inside backward, and a loop written for torch's DDP,
 Every rank must launch the buckets in the same order, because collectives are matched
 by the order they are issued in: a bucket that fills early waits for the buckets
 before it. Cost: the bucket order only approximates the order gradients are ready in.
+
+What one backward needs (counts, arrivals, buckets in flight, the divisor) is one
+object, `Backward`, that forward makes and only this stage's hook and its own methods
+change. The end of backward also clears stage naive's `_awaiting_sync`: it did what
+naive's `finish_gradient_synchronization()` did.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,14 +41,15 @@ class OverlappedDDP(BucketedDDP):
     """Stage 3: launch each bucket's all-reduce from backward, as soon as it is full."""
 
     def __init__(self, module: nn.Module, **options):
-        super().__init__(module, **options)
-        self._sync_this_backward = True  # stage skip_sync sets it at each forward
-        # Positions in named_trainable of the gradients, as they came, and when (if a
-        # later stage sets a list: a clock mark each).
-        self._arrived: list[int] = []
-        self._ready_times: list | None = None
-        self._finish_queued = False  # this backward's end-of-backward callback is queued
-        self._in_flight: list[tuple[Bucket, dist.Work]] = []
+        super().__init__(module, **options)  # its buckets get their hooks (below)
+        # The state of the backward after the last forward, made by that forward; before
+        # the first, a finished one (a gradient then had no forward before it).
+        self._backward = Backward(pending=[], divisor=1, finished=True)
+
+    def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
+        for handle in getattr(self, "_hook_handles", []):  # the previous buckets' (if any)
+            handle.remove()
+        super()._use_buckets(buckets, bucket_cap_mb)
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -77,31 +83,41 @@ class OverlappedDDP(BucketedDDP):
             self._prepare_for_backward()
         return output
 
-    def _prepare_for_backward(self) -> None:
-        """The per-step facts the backward that follows reads, set once here."""
-        self._pending = list(self._bucket_lengths)  # per bucket, gradients still to come
-        self._next_bucket = 0  # the next bucket to launch, in bucket order on every rank
-        self._in_flight = []
-        self._finish_queued = False
-        self._sync_from = len(self._arrived)  # arrivals before: no_sync() micro-batches
-        self._divisor = self._grad_divisor()
+    def _prepare_for_backward(self, syncs: bool = True) -> None:
+        """The state of the backward that follows, made once here, in one object: the
+        hooks and the end of backward read and change it, nothing else."""
+        self._backward = Backward(
+            pending=self._pending_counts() if syncs else [],
+            divisor=self._grad_divisor(),
+            syncs=syncs,
+            held=syncs and self._holds_buckets(),
+        )
+
+    def _pending_counts(self) -> list[int]:
+        """Per bucket, how many gradients it waits for before it leaves: each of its
+        gradients, once."""
+        return list(self._bucket_lengths)
+
+    def _holds_buckets(self) -> bool:
+        """Whether no bucket leaves before the end of this backward (never, here: each
+        leaves once complete)."""
+        return False
 
     # --8<-- [end:forward]
 
     # --8<-- [start:hook]
     def _on_grad_ready(self, k: int, b: int) -> None:
-        """Per gradient, all it does: note that gradient k came (and when, if asked),
-        count its bucket b down, and launch what is complete. What later stages need of
-        each gradient they read once per step from `_arrived` and `_ready_times`."""
-        self._arrived.append(k)
-        if not self._sync_this_backward:
-            return  # inside no_sync() (stage skip_sync): the gradient stays in .grad
-        if self._ready_times is not None:
-            self._ready_times.append(self._clock_mark())
-        if not self._finish_queued:  # the first gradient of this backward
+        """Per gradient, all it does: note that gradient k came, count its bucket b down,
+        and launch what is complete. What later stages need of each gradient they read
+        once per step from the backward's `arrived`."""
+        backward = self._backward
+        backward.arrived.append(k)
+        if not backward.syncs:
+            return  # the gradient stays in .grad, summed with the next backwards' (no_sync)
+        if not backward.started:  # the first gradient of this backward
             self._start_backward()
-        self._pending[b] -= 1
-        if self._pending[b] == 0 and b == self._next_bucket:
+        backward.pending[b] -= 1
+        if backward.pending[b] == 0 and b == backward.next_bucket:
             self._launch_ready_buckets()
 
     # --8<-- [end:hook]
@@ -109,9 +125,10 @@ class OverlappedDDP(BucketedDDP):
     # --8<-- [start:backward]
     def _start_backward(self) -> None:
         """Once per synchronised backward, at its first gradient: queue the callback that
-        finishes it (stage unused_params also marks here what forward did not reach)."""
-        if not self._awaiting_sync:
-            name = self.named_trainable[self._arrived[-1]][0]
+        finishes it."""
+        backward = self._backward
+        if backward.finished:
+            name = self.named_trainable[backward.arrived[-1]][0]
             raise RuntimeError(
                 f"{type(self).__name__}: gradient of '{name}' computed without a forward "
                 "before it; run forward once per backward"
@@ -120,19 +137,27 @@ class OverlappedDDP(BucketedDDP):
         # runs hooks with grad mode on, and the copies into and out of buckets are no part
         # of a graph.
         Variable._execution_engine.queue_callback(torch.no_grad()(self._finish_backward))
-        self._finish_queued = True
+        backward.started = True
+        if backward.unreached:  # counted as come now (none here), and launched if that completes
+            for k in backward.unreached:
+                backward.pending[self._bucket_of[k]] -= 1
+            self._launch_ready_buckets()
 
     @torch.no_grad()
     def _launch_ready_buckets(self) -> None:
         """Launch, in bucket order, every bucket whose gradients have all come: per bucket,
         fill its buffer, then send it (an all-reduce that runs while backward goes on)."""
-        # `<= 0`: a count goes below zero when a gradient counted as unused (stage
-        # unused_params) comes after all, which is noted and raised at the end.
-        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] <= 0:
-            bucket = self.buckets[self._next_bucket]
-            self._fill(bucket)
-            self._in_flight.append((bucket, self._send(bucket)))
-            self._next_bucket += 1
+        backward = self._backward
+        buckets, pending = self.buckets, backward.pending
+        # `<= 0`: a count goes below zero for a gradient that came although it was
+        # counted before (one in `unreached`); the end of backward finds out why.
+        while not backward.held and backward.next_bucket < len(buckets):
+            if pending[backward.next_bucket] > 0:
+                return
+            bucket = buckets[backward.next_bucket]
+            self._fill(bucket, backward.divisor)
+            backward.in_flight.append((bucket, self._send(bucket)))
+            backward.next_bucket += 1
 
     def _send(self, bucket: Bucket) -> dist.Work:
         with span(bucket.span):
@@ -141,13 +166,9 @@ class OverlappedDDP(BucketedDDP):
             )
 
     def _group_for(self, index: int) -> dist.ProcessGroup:
-        """The group that all-reduces bucket `index`: one for all of them, until stage
-        round_robin spreads them over several."""
+        """The group that all-reduces bucket `index`: one for all of them here. Any group
+        over the same ranks would do, as long as every rank picks the same one."""
         return self.process_group
-
-    def _clock_mark(self) -> float:
-        """When a gradient came, for a stage that sets `_ready_times` to a list."""
-        return time.perf_counter()
 
     # --8<-- [end:backward]
 
@@ -156,15 +177,16 @@ class OverlappedDDP(BucketedDDP):
         """Once per synchronised backward, after its last gradient: wait for the buckets
         and copy each one's averages out as it lands (while later ones still travel, as
         torch's reducer does)."""
-        self._awaiting_sync = False
-        self._finish_queued = False  # so a second backward without forward is caught
-        arrived, self._arrived = self._arrived[self._sync_from :], []
+        self._awaiting_sync = False  # stage naive's flag: this backward synchronised
+        backward = self._backward
+        backward.finished = True  # a second backward without a forward is caught
         with span("wait for communication"):
-            for bucket, work in self._in_flight:
+            for bucket, work in backward.in_flight:
                 work.wait()  # even on error below: leave no collective half-finished
                 self._unload(bucket)
-        if self._next_bucket < len(self.buckets):  # a bucket never filled
-            missing = [n for k, (n, _) in enumerate(self.named_trainable) if k not in arrived]
+        if backward.next_bucket < len(self.buckets):  # a bucket never filled
+            came = set(backward.arrived)
+            missing = [n for k, (n, _) in enumerate(self.named_trainable) if k not in came]
             raise RuntimeError(
                 f"{type(self).__name__}: parameters {missing} got no gradient in this backward "
                 f"on rank {dist.get_rank(self.process_group)}, so their buckets never filled; "
@@ -182,6 +204,36 @@ class OverlappedDDP(BucketedDDP):
             )
 
     # --8<-- [end:finish]
+
+
+# --8<-- [start:state]
+@dataclass(eq=False)
+class Backward:
+    """One backward's state, made by the forward before it (`_prepare_for_backward`);
+    what forward finds (`unreached`) it fills in before backward starts. From the first
+    gradient on, only the wrapper's hook and launches and `complete()` change it; the end
+    of backward reads it."""
+
+    pending: list[int]  # per bucket, gradients still to come; <= 0: complete
+    divisor: int  # each bucket is divided by it before it leaves (sum of g / W = mean)
+    syncs: bool = True  # False: gradients stay in .grad, summed over backwards, unsent
+    held: bool = False  # True: no bucket leaves until `complete()`
+    # Positions counted as come when backward starts, without their hooks: none here; a
+    # later stage's forward may find some (parameters its outputs do not lead to).
+    unreached: list[int] = field(default_factory=list)
+    arrived: list[int] = field(default_factory=list)  # positions k, in the order they came
+    next_bucket: int = 0  # the next to launch, in bucket order on every rank
+    in_flight: list[tuple[Bucket, dist.Work]] = field(default_factory=list)  # launched
+    started: bool = False  # its first gradient came: the end-of-backward callback is queued
+    finished: bool = False  # that callback ran
+
+    def complete(self) -> None:
+        """Every bucket counts as complete, whatever has not come, and may leave."""
+        self.pending = [0] * len(self.pending)
+        self.held = False
+
+
+# --8<-- [end:state]
 
 
 # --8<-- [start:closure]

@@ -80,25 +80,23 @@ class RebuiltBucketsDDP(GradViewsDDP):
         order_t = torch.tensor(order, dtype=torch.int64, device=self._collective_device)
         dist.broadcast(order_t, group=self.process_group, group_src=0)  # rank 0's order
         old_views = {id(p): p.grad for _, p in self.named_trainable}
-        for handle in self._hook_handles:
-            handle.remove()
-        self.buckets = buckets_from_plan(
-            self._rebuilt_layout(
-                [self.named_trainable[k] for k in order_t.tolist()],
-                bucket_cap_mb,
-                first_bucket_cap_mb,
+        self._use_buckets(
+            buckets_from_plan(
+                self._rebuilt_layout(
+                    [self.named_trainable[k] for k in order_t.tolist()],
+                    bucket_cap_mb,
+                    first_bucket_cap_mb,
+                ),
+                self._sparse,
             ),
-            self._sparse,
+            bucket_cap_mb,
         )
-        self._register_hooks()
-        self._prepare_for_backward()
         if self.gradient_as_bucket_view:  # gradients move into the new buffers
             for bucket in (b for b in self.buckets if not b.buffer.is_sparse):
                 for i, param in enumerate(bucket.params):
                     if old_views[id(param)] is not None:
                         bucket.view_of(i).copy_(old_views[id(param)])
                         param.grad = bucket.view_of(i)
-        self.bucket_cap_mb = bucket_cap_mb
 
     def _rebuilt_layout(
         self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
@@ -121,7 +119,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
         if not self._rebuilt and not self._ready_order and self._order_is_static():
             # As torch's reducer records it, once: what forward did not reach (stage
             # unused_params marks it ready at the first gradient), then as they came.
-            self._ready_order = [*self._unreached, *self._arrived[self._sync_from :]]
+            self._ready_order = [*self._backward.unreached, *self._backward.arrived]
         self._synced_backwards += 1
         super()._finish_backward()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from stages.overlapped import OverlappedDDP
@@ -49,11 +50,12 @@ class SkipSyncDDP(OverlappedDDP):
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        # Read at forward time, once: stage overlapped's gradient hook only notes a
-        # gradient (and leaves it in .grad, to sum up) when this is False.
-        self._sync_this_backward = self.require_backward_grad_sync
-        if self._sync_this_backward:
+        # Read at forward time, once, as torch does: the backward that follows syncs, or
+        # only notes its gradients and leaves them in .grad, to sum up.
+        if self.require_backward_grad_sync:
             return super().forward(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self._backward.syncs:  # the first micro-batch
+            self._prepare_for_backward(syncs=False)  # one for every micro-batch till a sync
         return self.module(*inputs, **kwargs)
 
     # --8<-- [end:forward]

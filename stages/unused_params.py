@@ -53,9 +53,9 @@ class UnusedParamsDDP(MissingGradsDDP):
         super().__init__(module, **options)
         self.find_unused_parameters = find_unused_parameters
         self._globally_used = [1] * len(self.named_trainable)  # per position: used anywhere
-        self._unreached: list[int] = []  # positions forward's outputs do not lead to
         self._problems: list[str] = []  # found in this backward, raised on every rank
         self._used: set[int] = set()  # positions this rank produced since the last sync
+        self._accumulated: list[int] = []  # of those, what came in no_sync() backwards
         self._deferred: list[Bucket] = []  # buckets to copy out once we know who used what
 
     # --8<-- [end:construction]
@@ -63,15 +63,34 @@ class UnusedParamsDDP(MissingGradsDDP):
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
         output = super().forward(*inputs, **kwargs)
-        self._unreached = []
-        if torch.is_grad_enabled() and self._sync_this_backward and self._search_unused():
-            self._unreached = self._unreached_from(output)
+        if torch.is_grad_enabled() and self._backward.syncs:
+            self._note_unused(output)
         return output
 
-    def _search_unused(self) -> bool:
-        """Whether to walk the graph from this forward's outputs (the drop-in's
-        static_graph stops once the first backward has found the unused ones)."""
-        return self.find_unused_parameters
+    def _prepare_for_backward(self, syncs: bool = True) -> None:
+        previous = self._backward
+        super()._prepare_for_backward(syncs)
+        # This stage's part of the backward's state, afresh. A synchronising backward
+        # after no_sync() ones: what came in those counts as used too.
+        self._accumulated = previous.arrived if syncs and not previous.syncs else []
+        self._problems, self._used = [], set()
+
+    def _count_as_unused(self, positions: list[int], used: list[int]) -> None:
+        """Found after forward (the drop-in's static_graph learns it in its first
+        backward): `positions` count as unused in this backward, and `used` (per
+        position, 1 if some rank used it) says whose .grad takes the average."""
+        self._backward.unreached, self._globally_used = positions, used
+
+    def _note_unused(self, output) -> None:
+        """What the backward that follows counts as unused: what `output` does not lead
+        to, with the flag; else nothing."""
+        # The overlapped stage counts them as come at the first gradient, as torch does.
+        self._backward.unreached = self._unused_in(output)
+
+    def _unused_in(self, output) -> list[int]:
+        """Positions of the parameters unused by `output`: the graph walked from it,
+        with the flag (the drop-in's static_graph walks only in its first step)."""
+        return self._unreached_from(output) if self.find_unused_parameters else []
 
     def _unreached_from(self, output) -> list[int]:
         """Positions of the trainable parameters that `output`'s graph does not lead to."""
@@ -95,21 +114,11 @@ class UnusedParamsDDP(MissingGradsDDP):
         # unused may still come after the last bucket has left.
         return super()._status_can_ride() and not self.find_unused_parameters
 
-    # --8<-- [start:backward]
-    def _start_backward(self) -> None:
-        super()._start_backward()
-        if self._unreached:  # as torch: at the first gradient, the unused are ready
-            for k in self._unreached:
-                self._pending[self._bucket_of[k]] -= 1
-            self._launch_ready_buckets()
-
-    # --8<-- [end:backward]
-
     # --8<-- [start:finish]
     def _finish_backward(self) -> None:
-        arrived = self._arrived[self._sync_from :]
+        arrived = self._backward.arrived
         if self.find_unused_parameters:  # no_sync() micro-batches count as used
-            self._used = set(self._arrived)
+            self._used = {*self._accumulated, *arrived}
         # Where the status rode in the last bucket, nothing can have come since: within
         # one backward autograd accumulates each gradient once, so the last bucket
         # leaves after every gradient came. (A nested, reentrant backward could bring
@@ -126,10 +135,11 @@ class UnusedParamsDDP(MissingGradsDDP):
         """What went wrong inside this backward. Raising there would stop only this rank's
         backward and leave the others waiting in an all-reduce: it is noted, the step
         finishes, and every rank raises."""
-        if not self._unreached and len(set(arrived)) == len(arrived):
+        unreached = self._backward.unreached
+        if not unreached and len(set(arrived)) == len(arrived):
             return []  # the common case, in one pass
         names = [name for name, _ in self.named_trainable]
-        unreached, seen, problems = set(self._unreached), set(), []
+        unreached, seen, problems = set(unreached), set(), []
         for k in arrived:
             if k in unreached:
                 problems.append(
@@ -175,7 +185,7 @@ class UnusedParamsDDP(MissingGradsDDP):
 
     def _error_row(self, ready: set[int]) -> Status:
         return {
-            **super()._error_row(ready | set(self._unreached)),
+            **super()._error_row(ready | set(self._backward.unreached)),
             "problems": torch.tensor([len(self._problems)], dtype=torch.int32),
         }
 

@@ -164,3 +164,30 @@ def test_a_comm_hook_registered_after_forward_counts_in_that_backward(pool) -> N
     set at forward; registering a hook after it sets them again."""
     for got, average in check_no_errors(pool.run(2, grads_with_a_hook_registered_after_forward)):
         torch.testing.assert_close(got, average)
+
+
+def gradients_come_at_each_launch(rank: int, group) -> list[int]:
+    """Per bucket launched in one synchronised backward of the unused_params stage with
+    the flag, how many gradients had come: a model whose last-registered layer (the first
+    buckets, in reverse order) forward never calls."""
+    from stages import STAGES
+    from tests.nets import Branchy
+
+    torch.manual_seed(0)
+    ddp = STAGES["unused_params"](
+        Branchy(extra=True), process_group=group, bucket_cap_mb=1e-9,  # a bucket each
+        find_unused_parameters=True,
+    )  # fmt: skip
+    came: list[int] = []
+    send = ddp._send
+    ddp._send = lambda bucket: came.append(len(ddp._backward.arrived)) or send(bucket)
+    ddp(torch.randn(4, 3), (0, 1)).sum().backward()
+    return came
+
+
+def test_what_forward_does_not_reach_leaves_at_the_first_gradient(pool) -> None:
+    """As torch's reducer marks them ready: the buckets of parameters forward's outputs do
+    not lead to (`extra`, the first two buckets) leave once the first gradient has come,
+    not at the end of backward."""
+    for came in check_no_errors(pool.run(1, gradients_come_at_each_launch)):
+        assert came[:2] == [1, 1], came

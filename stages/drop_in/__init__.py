@@ -46,6 +46,9 @@ checks the constructor's arguments as torch does, `mixed_precision` casts to par
 and back, `logging_data` keeps torch's logging data, `reducer` is what frameworks call on
 `model.reducer` and the node that starts static_graph's step, `class_swap` is what
 `install()` does; `python -m stages.drop_in` runs `__main__.py`.
+
+Unpickling (as torch's DDP allows, over the default group) sets the earlier stages'
+`process_group` and `round_robin_groups` again: a group is not pickled.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from stages.drop_in.logging_data import RuntimeStats, gradient_bytes, layout_rec
 from stages.drop_in.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
 from stages.drop_in.reducer import Reducer, Sink, flatten
 from stages.drop_in.torch_args import buffer_sync, check_arguments
+from stages.overlapped import Backward
 
 # A script or framework that makes its own process group imports this module first
 # (`install()` comes before the framework's import): torch._dynamo imported now, before
@@ -174,11 +178,6 @@ class DistributedDataParallel(AutoBucketDDP):
 
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
-        if self._awaiting_sync and not self._finish_queued:
-            # As torch's DDP: a forward whose output never reached backward (an evaluation
-            # pass under grad mode, a discarded output) is forgotten. The earlier stages
-            # raise instead, which catches a forgotten backward while one learns.
-            self._awaiting_sync = False
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synced and self._stats.forward_started():
             self._stats.record.update(layout_record(self))
@@ -191,9 +190,15 @@ class DistributedDataParallel(AutoBucketDDP):
         if synced:
             self._stats.mark("forward_compute_end")
             if self.static_graph:
-                self._unreached = self._unreached or self._static_unused  # found once
                 output = self._sink(output)
         return output
+
+    def _forward_before_sync(self) -> None:
+        # As torch's DDP: a forward whose output never reached backward (an evaluation
+        # pass under grad mode, a discarded output) is forgotten. The earlier stages
+        # raise instead, which catches a forgotten backward while one learns.
+        if self._backward.started:  # its backward is running: no forward belongs there
+            super()._forward_before_sync()
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
@@ -261,12 +266,12 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [end:forward]
 
     # --8<-- [start:mixed_precision]
-    def _register_hooks(self) -> None:
-        # After every (re)build of the buckets: they all-reduce in reduce_dtype.
+    def _use_buckets(self, buckets: list, bucket_cap_mb: float) -> None:
+        # At every (re)build of the buckets: they all-reduce in reduce_dtype.
         if self.mixed_precision is not None:
             dtype = self.mixed_precision.reduce_dtype or self.mixed_precision.param_dtype
-            self.buckets = [bucket.in_dtype(dtype) for bucket in self.buckets]
-        super()._register_hooks()
+            buckets = [bucket.in_dtype(dtype) for bucket in buckets]
+        super()._use_buckets(buckets, bucket_cap_mb)
 
     def _to_low_precision(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """mixed_precision, as the wrapped module's forward starts (a forward pre-hook,
@@ -308,23 +313,26 @@ class DistributedDataParallel(AutoBucketDDP):
             tensors[i] = t
         return rebuild(tensors)
 
-    def _prepare_for_backward(self) -> None:
-        super()._prepare_for_backward()
-        if not (self.static_graph and self._sync_this_backward):
-            return
-        if self._expected is None:
-            # The first backward all-reduces every bucket at its end (as torch's reducer
-            # delays it), once it knows how often each gradient comes: none launch before.
-            self._pending = [1 << 62] * len(self.buckets)
-            return
+    def _holds_buckets(self) -> bool:
+        # The first backward all-reduces every bucket at its end (as torch's reducer
+        # delays it), once it knows how often each gradient comes: none leave before.
+        return self.static_graph and self._expected is None
+
+    def _pending_counts(self) -> list[int]:
+        if not (self.static_graph and self._expected is not None):
+            return super()._pending_counts()
         buckets, counts = self._static_pending or (None, [])
         if buckets is not self.buckets:  # rebuilt: count again
             counts = [0] * len(self.buckets)
             for k, expected in enumerate(self._expected):  # an unused one: ready at start
                 counts[self._bucket_of[k]] += max(expected, 1)
             self._static_pending = (self.buckets, counts)
-        self._pending = list(counts)
-        self._unreached = self._static_unused
+        return list(counts)
+
+    def _unused_in(self, output) -> list[int]:
+        if self.static_graph and self._expected is not None:
+            return self._static_unused  # found in the first backward: not searched again
+        return super()._unused_in(output)
 
     def _finish_backward_static(self, arrived: list[int]) -> None:
         """At the end of static_graph's first synchronised backward: how many times each
@@ -335,23 +343,23 @@ class DistributedDataParallel(AutoBucketDDP):
             expected[k] += 1
         self._learn_static_graph(expected, [min(c, 1) for c in expected])
 
-    def _learn_static_graph(self, expected: list[int], used: list[int]) -> None:
+    def _learn_static_graph(self, expected: list[int], used: list[int]) -> list[int]:
         """Which parameters some rank used (one all-reduce, before the first step's
-        buckets), and what the steps after it expect."""
+        buckets; returned, 1 or 0 per position), and what the steps after it expect."""
         summed = torch.tensor(used, dtype=torch.int64, device=self._collective_device)
         dist.all_reduce(summed, group=self.process_group)
-        self._globally_used = [int(u > 0) for u in summed.tolist()]
+        used_anywhere = [int(u > 0) for u in summed.tolist()]
         self._expected = expected
         self._static_unused = [k for k, c in enumerate(expected) if c == 0]
-        self._unreached = self._static_unused
+        self._count_as_unused(self._static_unused, used=used_anywhere)
+        return used_anywhere
 
     def _shadow_backward(self) -> None:
         if self.static_graph and self._expected is None:
             # A rank that left before the first synchronised step: it takes part in
             # that step's all-reduce of who used what, as one that used nothing, and
             # from then on reports the gradients the others used as come once.
-            self._learn_static_graph([], [0] * len(self.named_trainable))
-            self._expected = self._globally_used
+            self._expected = self._learn_static_graph([], [0] * len(self.named_trainable))
             self._static_unused = [k for k, u in enumerate(self._expected) if u == 0]
         super()._shadow_backward()
 
@@ -360,9 +368,6 @@ class DistributedDataParallel(AutoBucketDDP):
             return super()._shadow_arrivals()
         return [k for k, count in enumerate(self._expected) for _ in range(count)]
 
-    def _search_unused(self) -> bool:  # found in the first backward: not searched again
-        return super()._search_unused() and not (self.static_graph and self._expected)
-
     def _nothing_unused(self) -> None:
         if not self.static_graph:  # torch's static_graph never walks, so never warns
             super()._nothing_unused()
@@ -370,7 +375,8 @@ class DistributedDataParallel(AutoBucketDDP):
     def _status_row(self, arrived: list[int]) -> list[int]:
         row = super()._status_row(arrived)
         if self.static_graph and self._expected is not None:  # unused ones are not missing
-            row[0] -= sum(1 for k in self._static_unused if k not in self._told_ready)
+            ready = set(arrived)
+            row[0] -= sum(1 for k in self._static_unused if k not in ready)
         return row
 
     def _problems_in(self, arrived: list[int]) -> list[str]:
@@ -401,13 +407,9 @@ class DistributedDataParallel(AutoBucketDDP):
         even after a forward inside no_sync() (accelerate's trigger_sync_in_backward);
         with find_unused_parameters, what `outputs` do not reach is unused (none, if
         `outputs` is empty)."""
-        self._sync_this_backward = True
-        self._awaiting_sync = True
         self._prepare_for_backward()
-        if self.static_graph and self._expected is not None:
-            self._unreached = self._static_unused  # found in the first backward
-        elif self.find_unused_parameters:
-            self._unreached = self._unreached_from(outputs) if outputs else []
+        if outputs or self.static_graph:  # with no outputs, nothing is found unused
+            self._note_unused(outputs)
 
     def _start_backward(self) -> None:
         self._stats.mark("backward_compute_start")
@@ -419,7 +421,7 @@ class DistributedDataParallel(AutoBucketDDP):
 
     def _finish_backward(self) -> None:
         self._stats.mark("backward_compute_end")
-        self._last_ready_order = self._arrived[self._sync_from :]
+        self._last_ready_order = self._backward.arrived
         self._arrivals_per_step.add(len(self._last_ready_order))
         if self.static_graph and self._expected is None:
             self._finish_backward_static(self._last_ready_order)
@@ -452,8 +454,9 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [start:pickle]
     def __getstate__(self) -> dict:
         """What pickle, copy.deepcopy and torch.save keep: as torch's DDP, everything but
-        the process group and what lives in it (work in flight, a comm hook, which
-        torch's DDP also drops); unpickling takes the default group again."""
+        the process group and what lives in it (the backward's state with its work in
+        flight, kept as a new wrapper's; a comm hook, which torch's DDP also drops);
+        unpickling takes the default group again."""
         if self.process_group is not _default_group():
             raise RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default "
@@ -466,8 +469,9 @@ class DistributedDataParallel(AutoBucketDDP):
                 "process groups, which every rank must do together"
             )
         state = dict(self.__dict__)
-        for transient in ("process_group", "round_robin_groups", "_in_flight", "_hook_handles"):
+        for transient in ("process_group", "round_robin_groups", "_hook_handles"):
             del state[transient]
+        state["_backward"] = Backward(pending=[], divisor=1, finished=True)
         for hook in ("_comm_hook", "_comm_state"):
             state.pop(hook, None)
         return state
@@ -476,7 +480,6 @@ class DistributedDataParallel(AutoBucketDDP):
         super().__setstate__(state)
         self.process_group = _default_group()
         self.round_robin_groups = [self.process_group]
-        self._in_flight = []
         # A tensor's hooks are not pickled, nor copied with it; and parameters are new
         # objects, so what is keyed by their identity is keyed again there.
         self._register_hooks()

@@ -151,7 +151,7 @@ def layout_record(ddp: torch.nn.Module) -> dict[str, str | int]:
             " ".join(str(ddp._position[id(p)]) for p in b.params) for b in ddp.buckets
         )
     params = [p for _, p in ddp.named_trainable]
-    record["unused_parameter_size"] = gradient_bytes([params[k] for k in ddp._unreached])
+    record["unused_parameter_size"] = gradient_bytes([params[k] for k in ddp._backward.unreached])
     record["num_buckets_reduced"] = len(ddp.buckets)
     return record
 
@@ -194,7 +194,7 @@ def logging_data(ddp: torch.nn.Module) -> dict[str, str | int]:
         # the graph looks static, so static_graph=True would do (torch's reading,
         # which torch's logger reports only once its reducer is destroyed).
         data["can_set_static_graph"] = int(
-            ddp._all_arrived and len(ddp._arrivals_per_step) == 1 and not ddp._unreached
+            ddp._all_arrived and len(ddp._arrivals_per_step) == 1 and not ddp._backward.unreached
         )
     if ddp._logged_error is not None:
         data["has_error"], data["error"] = 1, ddp._logged_error
