@@ -53,7 +53,7 @@ class CommHooksDDP(RebuiltBucketsDDP):
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
         self._comm_hook, self._comm_state = hook, state
-        if self._awaiting_sync and not self._backward.started:  # after forward, before backward
+        if self._backward.prepared:  # after a forward, before its backward
             # What the hook changes in the step forward prepared: no division, and the
             # status in an all-reduce of its own.
             self._backward.divisor = self._grad_divisor()

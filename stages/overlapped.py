@@ -44,7 +44,7 @@ class OverlappedDDP(BucketedDDP):
         super().__init__(module, **options)  # its buckets get their hooks (below)
         # The state of the backward after the last forward, made by that forward; before
         # the first, a finished one (a gradient then had no forward before it).
-        self._backward = Backward(pending=[], divisor=1, finished=True)
+        self._backward = Backward.none_yet()
 
     def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
         for handle in getattr(self, "_hook_handles", []):  # the previous buckets' (if any)
@@ -226,6 +226,17 @@ class Backward:
     in_flight: list[tuple[Bucket, dist.Work]] = field(default_factory=list)  # launched
     started: bool = False  # its first gradient came: the end-of-backward callback is queued
     finished: bool = False  # that callback ran
+
+    @classmethod
+    def none_yet(cls) -> Backward:
+        """The state before any forward: a finished backward, so that a gradient that
+        comes now is one without a forward before it."""
+        return cls(pending=[], divisor=1, finished=True)
+
+    @property
+    def prepared(self) -> bool:
+        """Made by a forward that synchronises, and its backward not begun."""
+        return self.syncs and not self.started and not self.finished
 
     def complete(self) -> None:
         """Every bucket counts as complete, whatever has not come, and may leave."""

@@ -140,9 +140,13 @@ def test_the_status_travels_in_the_last_buckets_all_reduce(pool) -> None:
         assert events.count("status") == 1, events  # nothing went wrong: nothing more
 
 
-def grads_with_a_hook_registered_after_forward(rank: int, group) -> list[torch.Tensor]:
+def grads_with_a_hook_registered_after_forward(
+    rank: int, group, prepared_by_reducer: bool = False
+) -> list[torch.Tensor]:
     """One backward of a drop-in whose comm hook was registered between its forward and
-    its backward; and the same backward's average worked out by hand."""
+    its backward; and the same backward's average worked out by hand. With
+    `prepared_by_reducer`, the forward ran inside no_sync() and a framework's
+    `reducer.prepare_for_backward` made its backward synchronise (accelerate does)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -151,7 +155,12 @@ def grads_with_a_hook_registered_after_forward(rank: int, group) -> list[torch.T
     torch.manual_seed(0)
     ddp = STAGES["drop_in"](nn.Linear(3, 2), process_group=group)
     x = torch.full((4, 3), float(rank + 1))
-    loss = ddp(x).square().sum()
+    if prepared_by_reducer:
+        with ddp.no_sync():
+            loss = ddp(x).square().sum()
+        ddp.reducer.prepare_for_backward(loss)
+    else:
+        loss = ddp(x).square().sum()
     ddp.register_comm_hook(group, default_hooks.allreduce_hook)  # the step's facts change
     loss.backward()
     local = torch.autograd.grad(ddp.module(x).square().sum(), ddp.module.weight)[0]
@@ -162,8 +171,11 @@ def grads_with_a_hook_registered_after_forward(rank: int, group) -> list[torch.T
 def test_a_comm_hook_registered_after_forward_counts_in_that_backward(pool) -> None:
     """The per-step facts (the divisor, whether the status rides in the last bucket) are
     set at forward; registering a hook after it sets them again."""
-    for got, average in check_no_errors(pool.run(2, grads_with_a_hook_registered_after_forward)):
-        torch.testing.assert_close(got, average)
+    for prepared_by_reducer in (False, True):
+        for got, average in check_no_errors(
+            pool.run(2, grads_with_a_hook_registered_after_forward, prepared_by_reducer)
+        ):
+            torch.testing.assert_close(got, average)
 
 
 def gradients_come_at_each_launch(rank: int, group) -> list[int]:

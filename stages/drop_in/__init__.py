@@ -408,7 +408,9 @@ class DistributedDataParallel(AutoBucketDDP):
         with find_unused_parameters, what `outputs` do not reach is unused (none, if
         `outputs` is empty)."""
         self._prepare_for_backward()
-        if outputs or self.static_graph:  # with no outputs, nothing is found unused
+        # With no outputs, nothing is found unused (after static_graph's first backward,
+        # what it found).
+        if outputs or (self.static_graph and self._expected is not None):
             self._note_unused(outputs)
 
     def _start_backward(self) -> None:

@@ -26,7 +26,7 @@ class Sink(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         ddp = ctx.ddp()
-        if ddp is not None and ddp._awaiting_sync and not ddp._backward.started:
+        if ddp is not None and ddp._backward.prepared:
             ddp._start_backward()
         return (None, *grads)
 
