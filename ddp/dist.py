@@ -69,11 +69,12 @@ def setup_process_group(backend: str = "auto", timeout_s: float | None = None) -
         # after the watchdog's timeout, so the watchdog, which can name a missing rank
         # where Gloo cannot, speaks first. (torch gives no public way to set the two
         # apart: `_set_pg_timeout` changes what init set.)
-        join_s = max(JOIN_TIMEOUT_S, timeout_s * 1.1) if timeout_s is not None else None
+        join = (
+            None if timeout_s is None else timedelta(seconds=max(JOIN_TIMEOUT_S, timeout_s * 1.1))
+        )
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size,
-            timeout=None if join_s is None else timedelta(seconds=join_s),
-        )  # fmt: skip
+            backend, store=store, rank=rank, world_size=world_size, timeout=join
+        )
         if timeout_s is not None:
             _set_pg_timeout(timedelta(seconds=timeout_s * 1.1))
             global _watchdog

@@ -45,7 +45,8 @@ out of `ddp/` (which holds what several stages or the harness share). `torch_arg
 checks the constructor's arguments as torch does, `mixed_precision` casts to param_dtype
 and back, `logging_data` keeps torch's logging data, `reducer` is what frameworks call on
 `model.reducer` and the node that starts static_graph's step, `class_swap` is what
-`install()` does; `python -m stages.drop_in` runs `__main__.py`.
+`install()` does, `pickling` what pickle keeps; `python -m stages.drop_in` runs
+`__main__.py`.
 
 Unpickling (as torch's DDP allows, over the default group) sets the earlier stages'
 `process_group` and `round_robin_groups` again: a group is not pickled.
@@ -64,12 +65,11 @@ from torch import nn
 
 from ddp.dist import broadcast_buffers, import_dynamo_first
 from stages.auto_bucket import AutoBucketDDP
-from stages.drop_in import class_swap
+from stages.drop_in import class_swap, pickling
 from stages.drop_in.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
 from stages.drop_in.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
 from stages.drop_in.reducer import Reducer, Sink, flatten
 from stages.drop_in.torch_args import buffer_sync, check_arguments
-from stages.overlapped import Backward
 
 # A script or framework that makes its own process group imports this module first
 # (`install()` comes before the framework's import): torch._dynamo imported now, before
@@ -456,31 +456,12 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [start:pickle]
     def __getstate__(self) -> dict:
         """What pickle, copy.deepcopy and torch.save keep: as torch's DDP, everything but
-        the process group and what lives in it (the backward's state with its work in
-        flight, kept as a new wrapper's; a comm hook, which torch's DDP also drops);
-        unpickling takes the default group again."""
-        if self.process_group is not _default_group():
-            raise RuntimeError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default "
-                "process group. That is, when you have called init_process_group and have "
-                "not passed process_group argument to DDP constructor"
-            )
-        if len(self.round_robin_groups) > 1:
-            raise NotImplementedError(
-                "pickling with round_robin_groups > 1: unpickling would have to make "
-                "process groups, which every rank must do together"
-            )
-        state = dict(self.__dict__)
-        for transient in ("process_group", "round_robin_groups", "_hook_handles"):
-            del state[transient]
-        state["_backward"] = Backward(pending=[], divisor=1, finished=True)
-        for hook in ("_comm_hook", "_comm_state"):
-            state.pop(hook, None)
-        return state
+        the process group and what lives in it (`pickling.py`, beside this file)."""
+        return pickling.pickled_state(self)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.process_group = _default_group()
+        self.process_group = pickling.default_group()
         self.round_robin_groups = [self.process_group]
         # A tensor's hooks are not pickled, nor copied with it; and parameters are new
         # objects, so what is keyed by their identity is keyed again there.
@@ -499,7 +480,3 @@ def install() -> None:
 def uninstall() -> None:
     """torch's class back where `install()` put this one."""
     class_swap.restore_ddp_class()
-
-
-def _default_group() -> dist.ProcessGroup:
-    return dist.group.WORLD
