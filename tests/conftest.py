@@ -1,9 +1,11 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.pool import GlooPool
 
@@ -36,8 +38,25 @@ def pool():
 def profile_logdir(tmp_path_factory) -> Path:
     """A log directory freshly produced by the main job with --profile-dir: one
     TensorBoard run per variant (compute_only, each stage, torch_ddp), one gzip'd
-    trace per rank in each, and scalars beside them. 2 ranks, the small CNN."""
-    logdir = tmp_path_factory.mktemp("runs")
+    trace per rank in each, and scalars beside them. 2 ranks, the small CNN.
+
+    Made once per `make test`, not once per worker: the test files that read it run on
+    different workers, and the first to ask makes it under a lock in the run's shared
+    temporary directory (the others wait for it). Tests copy it before writing."""
+    shared = tmp_path_factory.getbasetemp()  # this session's; its parent is the run's
+    if "PYTEST_XDIST_WORKER" in os.environ:  # under xdist (else the parent outlives the run)
+        shared = shared.parent
+    logdir, done = shared / "profile_logdir", shared / "profile_logdir.done"
+    with FileLock(shared / "profile_logdir.lock"):
+        if not done.exists():
+            shutil.rmtree(logdir, ignore_errors=True)  # a worker that failed half-way
+            logdir.mkdir()
+            profile_into(logdir)
+            done.touch()
+    return logdir
+
+
+def profile_into(logdir: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "stages", "--model", "cnn", "--batch-size", "8", "--steps", "3",
@@ -46,7 +65,6 @@ def profile_logdir(tmp_path_factory) -> Path:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    return logdir
 
 
 # The main job's traces, read and analysed (tests/test_analysis.py, tests/test_compare.py).

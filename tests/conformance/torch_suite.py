@@ -17,16 +17,20 @@ minutes. The default run executes `tests/test_conformance.py`, a subset.
 from __future__ import annotations
 
 import ast
+import atexit
 import inspect
 import os
 import re
+import shutil
 import tempfile
 import textwrap
 
 # Read by torch's test module at import: Gloo on CPU, 2 ranks, a folder for its barriers.
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ddp-conformance-"))
+if "TEMP_DIR" not in os.environ:  # made once: the rank processes torch spawns inherit it
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="ddp-conformance-")
+    atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], ignore_errors=True)
 
 import torch.nn.parallel  # noqa: E402
 
