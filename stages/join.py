@@ -139,16 +139,12 @@ class JoinDDP(RoundRobinDDP, Joinable):
         for bucket in self.buckets:  # the last, with the status
             bucket.buffer.zero_()
             backward.in_flight.append((bucket, self._send(bucket)))
-        status = None if self._status_rides else self._send_status(self._status_row(everything))
+        status = self._status  # the end of backward's protocol (stage missing_grads)
+        if not status.rides:
+            status.send(everything)
         for _, work in backward.in_flight:
             work.wait()
-        if status is None:
-            summed = self._read_tail()
-        else:
-            status[1].wait()
-            summed = status[0].tolist()
-        if self._went_wrong(summed):  # the others raise: so does this rank, not wait on
-            self._raise_on_every_rank(self._exchange_status(self._error_row(set(everything))))
+        status.settle()  # if the others raise, so does this rank, rather than wait on
         self._synced_backwards += 1
 
     def _shadow_arrivals(self) -> list[int]:

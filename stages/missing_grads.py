@@ -60,8 +60,7 @@ class MissingGradsDDP(SkipSyncDDP):
         super().__init__(module, **options)
         self.rank = dist.get_rank(self.process_group)
         self._all_arrived = True  # every gradient came in the last synchronised backward
-        self._status_rides = False  # in the last bucket's all-reduce, this step
-        self._told_ready: set[int] = set()  # the positions the last status counted as come
+        self._status = StatusExchange(self, rides=False)  # the status of the next backward
 
     def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
         # At every (re)build of the buckets: the last one, if dense, gets room for the
@@ -88,9 +87,10 @@ class MissingGradsDDP(SkipSyncDDP):
         self._route_status()
 
     def _route_status(self) -> None:
-        """Decide, for the backward that follows, whether the status rides in the last
-        bucket; every rank decides the same, from the same buckets and options."""
-        self._status_rides = self._status_can_ride()
+        """The status of the backward that follows, afresh: whether it rides in the last
+        bucket is decided now, and every rank decides the same, from the same buckets and
+        options."""
+        self._status = StatusExchange(self, rides=self._status_can_ride())
 
     def _status_can_ride(self) -> bool:
         """Whether the status can travel in the last bucket's all-reduce this step."""
@@ -100,10 +100,8 @@ class MissingGradsDDP(SkipSyncDDP):
 
     # --8<-- [start:backward]
     def _send(self, bucket: Bucket) -> dist.Work:
-        if bucket.status is not None and self._status_rides:  # after the division
-            row = self._status_row(self._backward.arrived)
-            for i, value in enumerate(row):  # a fill each, not a copy: on a GPU, no wait
-                bucket.status[i].fill_(value)
+        if bucket.status is not None and self._status.rides:  # after the division
+            self._status.ride(bucket, self._backward.arrived)
         return super()._send(bucket)
 
     # --8<-- [end:backward]
@@ -121,17 +119,11 @@ class MissingGradsDDP(SkipSyncDDP):
         if backward.next_bucket < len(self.buckets):
             backward.complete()
             self._launch_ready_buckets()
-        status = None if self._status_rides else self._send_status(self._status_row(arrived))
+        status = self._status
+        if not status.rides:  # right after the last bucket, without waiting for it
+            status.send(arrived)
         super()._finish_backward()  # waits for every bucket and copies the averages out
-        if status is None:
-            summed = self._read_tail()
-        else:
-            status[1].wait()
-            summed = status[0].tolist()
-        if self._went_wrong(summed):  # all zeros in the common case: done
-            # What came by the time the status left: a gradient that came after its
-            # bucket had gone (the one before it came twice) counts as missing.
-            self._raise_on_every_rank(self._exchange_status(self._error_row(self._told_ready)))
+        status.settle()  # all zeros in the common case: done; else raises on every rank
 
     def _copy_in(self, bucket: Bucket) -> None:
         if not any(map(_is_none, [p.grad for p in bucket.params])):
@@ -162,16 +154,11 @@ class MissingGradsDDP(SkipSyncDDP):
         else:
             param.grad.copy_(average)
 
-    def _read_tail(self) -> list[int]:
-        """The status as the last bucket's all-reduce summed it: floats of the gradients'
-        dtype (complex ones too, hence abs), whole numbers, only zero or not matters."""
-        return [round(abs(x)) for x in self.buckets[-1].status.tolist()]
-
     def _status_row(self, arrived: list[int]) -> list[int]:
         """This rank's part of the status, one integer per column, from the positions of
-        the gradients that came in this backward so far."""
-        self._told_ready = set(arrived)
-        return [len(self.named_trainable) - len(self._told_ready)]
+        the gradients that came in this backward so far (`arrived`, a list: a gradient
+        that came twice is there twice)."""
+        return [len(self.named_trainable) - len(set(arrived))]
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         """The status summed over every rank in an all-reduce of its own, where it cannot
@@ -224,6 +211,57 @@ class MissingGradsDDP(SkipSyncDDP):
         return "freeze them with requires_grad_(False) if they should not train"
 
     # --8<-- [end:finish]
+
+
+# --8<-- [start:exchange]
+class StatusExchange:
+    """The status of one synchronised backward, from this rank's row to the error every
+    rank raises: the protocol in one place, which the end of backward and join's shadow
+    step (a rank that has left, taking part in the others' steps) both run.
+
+    Forward makes one for the backward that follows (`_route_status`), knowing whether
+    the status rides in the last bucket's all-reduce. Then `ride` writes the row into the
+    last bucket's tail as it leaves, or `send` starts an all-reduce of its own, right
+    after the last bucket; after the buckets have landed, `settle` reads the sum and,
+    where it says something went wrong, exchanges the error rows and raises on every
+    rank. What the columns hold is the stages': `_status_row` (and `status_columns`),
+    `_went_wrong`, `_error_row` (and `error_columns`), `_raise_on_every_rank`."""
+
+    def __init__(self, ddp: MissingGradsDDP, rides: bool):
+        self.ddp = ddp
+        self.rides = rides  # in the last bucket's all-reduce, after the gradients
+        # The positions the row counted as come: the error row says the same. A gradient
+        # that comes after the row left (the one before it came twice) counts as missing.
+        self.told_ready: set[int] = set()
+        self._alone: tuple[torch.Tensor, dist.Work] | None = None  # where it does not ride
+
+    def ride(self, bucket: Bucket, arrived: list[int]) -> None:
+        """This rank's row into the last bucket's tail, as the bucket leaves."""
+        self.told_ready = set(arrived)
+        for i, value in enumerate(self.ddp._status_row(arrived)):
+            bucket.status[i].fill_(value)  # a fill each, not a copy: on a GPU, no wait
+
+    def send(self, arrived: list[int]) -> None:
+        """This rank's row in an all-reduce of its own (`_send_status`), not waited for."""
+        self.told_ready = set(arrived)
+        self._alone = self.ddp._send_status(self.ddp._status_row(arrived))
+
+    def settle(self) -> None:
+        """Once the buckets have landed: the status summed over the ranks (the same on
+        every rank, so every rank takes the same branch) and, where it is not all zeros,
+        the error rows exchanged and raised on every rank."""
+        ddp = self.ddp
+        if self._alone is None:  # the tail: floats of the gradients' dtype (complex ones
+            # too, hence abs), whole numbers; only zero or not matters
+            summed = [round(abs(x)) for x in ddp.buckets[-1].status.tolist()]
+        else:
+            self._alone[1].wait()
+            summed = self._alone[0].tolist()
+        if ddp._went_wrong(summed):
+            ddp._raise_on_every_rank(ddp._exchange_status(ddp._error_row(self.told_ready)))
+
+
+# --8<-- [end:exchange]
 
 
 if __name__ == "__main__":

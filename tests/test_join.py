@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.algorithms import Join
 
 from tests.adapters import build_wrapper, stages_from
@@ -24,6 +25,7 @@ from tests.against_torch import (
     tolerance,
 )
 from tests.nets import ONE_BUCKET_MB, Normed
+from tests.pool import RankError
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,38 @@ def test_uneven_inputs_with_join_as_torch(pool, stage: str, case: JoinCase) -> N
         finals.append(final)
     for rank, (params, _) in enumerate(finals[1:], start=1):  # Join's closing broadcast
         assert_same(params, finals[0][0], f"rank {rank}'s final parameters vs rank 0's", EXACT)
+
+
+class Skips(nn.Module):
+    """Two layers; `skip=True` leaves the second without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        h = self.first(x)
+        return h[:, :2] if skip else self.second(h)
+
+
+def miss_a_gradient_after_a_rank_left(rank: int, group: dist.ProcessGroup, stage: str) -> None:
+    """Rank 0 trains one step and leaves; rank 1's second step misses `second`'s
+    gradients, while rank 0 shadows it."""
+    torch.manual_seed(0)
+    wrapped = build_wrapper(stage, Skips(), group)
+    with wrapped.join():
+        for step in range(1 + rank):
+            wrapped(torch.randn(4, 3), skip=step == 1).sum().backward()
+
+
+@pytest.mark.parametrize("stage", stages_from("join"))
+def test_a_rank_that_left_raises_with_the_others(pool, stage: str) -> None:
+    """The ranks still training find a gradient missing: the rank that left, shadowing
+    their step, takes part in the exchange of what went wrong and raises the same error,
+    rather than leave them waiting for it (or mismatch their next collective)."""
+    runs = pool.run(2, miss_a_gradient_after_a_rank_left, stage, timeout_s=120)
+    assert all(isinstance(run, RankError) for run in runs), runs
+    for error in runs:
+        assert error.type_name == "RuntimeError", error.message
+        assert "got no gradient" in error.message and "rank 1" in error.message, error.message
+        assert "'second.weight'" in error.message and "'second.bias'" in error.message
