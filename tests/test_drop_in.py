@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from stages.drop_in import DistributedDataParallel as DropIn
+from stages.drop_in.logging_data import RuntimeStats
 from tests.against_torch import (
     EXACT,
     TIGHT,
@@ -299,3 +300,23 @@ def test_behaves_as_torch(pool, scenario: str) -> None:
             torch.testing.assert_close(
                 torch.tensor(ours[1]), torch.tensor(torchs[1]), **TIGHT, msg=where
             )
+
+
+def test_runtime_stats_read_the_clock_only_in_the_steps_they_record() -> None:
+    """As torch's reducer: the first 10 steps and one every `sample_rate` are timed and
+    recorded (at the next forward); the others read no clock."""
+    stats = RuntimeStats()
+    stats.set_sample_rate(5)
+    timed, recorded = [], []
+    for _ in range(16):
+        if stats.forward_started():
+            recorded.append(stats.record["iteration"])
+        timed.append(stats.timing)
+        if stats.timing:
+            for event in ("forward_compute", "backward_compute", "backward_comm"):
+                stats.mark(f"{event}_start")
+                stats.mark(f"{event}_end")
+        else:
+            assert stats.marks == {}
+    assert [i for i, t in enumerate(timed) if t] == [*range(10), 14]
+    assert recorded == [*range(1, 11), 15]  # each forward that records the step before

@@ -37,8 +37,9 @@ PROJECT = ("stages", "ddp")  # the folders whose code the trace records
 # Code objects of their own that are no function a reader calls by name.
 ANONYMOUS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>"}
 # The first backward records the ready order, the next forward rebuilds the buckets in
-# it (stage rebuilt_buckets), and the step after that runs as every later step does.
-WARM_STEPS = 3
+# it (stage rebuilt_buckets); the first 10 steps have their times recorded, as torch's
+# logging data does (then one in 100), so the step after those runs as most steps do.
+WARM_STEPS = 11
 WIDTH, LAYERS = 256, 6  # 6 x Linear(256, 256): 12 gradients, 1.5 MiB, so two buckets
 # The point of one gradient's path each chain starts, by its method (a key the trace does
 # not meet is an error: the page's words would name a method that no longer runs).

@@ -188,7 +188,8 @@ class DistributedDataParallel(AutoBucketDDP):
         if self.mixed_precision is not None and not torch.is_grad_enabled():
             self._to_full_precision()  # no backward follows (evaluation)
         if synced:
-            self._stats.mark("forward_compute_end")
+            if self._stats.timing:
+                self._stats.mark("forward_compute_end")
             if self.static_graph:
                 output = self._sink(output)
         return output
@@ -414,15 +415,18 @@ class DistributedDataParallel(AutoBucketDDP):
             self._note_unused(outputs)
 
     def _start_backward(self) -> None:
-        self._stats.mark("backward_compute_start")
+        if self._stats.timing:
+            self._stats.mark("backward_compute_start")
         super()._start_backward()
 
     def _send(self, bucket):
-        self._stats.mark("backward_comm_start")
+        if self._stats.timing:
+            self._stats.mark("backward_comm_start")
         return super()._send(bucket)
 
     def _finish_backward(self) -> None:
-        self._stats.mark("backward_compute_end")
+        if self._stats.timing:
+            self._stats.mark("backward_compute_end")
         self._last_ready_order = self._backward.arrived
         self._arrivals_per_step.add(len(self._last_ready_order))
         if self.static_graph and self._expected is None:
@@ -434,7 +438,8 @@ class DistributedDataParallel(AutoBucketDDP):
         except Exception as error:
             self._logged_error = str(error)
             raise
-        self._stats.mark("backward_comm_end")
+        if self._stats.timing:
+            self._stats.mark("backward_comm_end")
 
     def _log_and_raise(self, error: Exception) -> None:
         self._logged_error = str(error)

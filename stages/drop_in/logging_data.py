@@ -6,9 +6,11 @@ constructor's settings, the environment, the bucket layout, and runtime stats of
 sampled iterations (the first 10, then one every `sample_rate`: 100 unless set). Times
 are nanoseconds; `*_start`/`*_end` are host clock readings (`time.time_ns()`).
 
-`RuntimeStats` is the runtime part: the wrapper marks when each phase of a
-synchronised step starts and ends, a few clock readings a step, and at the start of
-a sampled step's forward (as torch does) the previous step's phases are recorded.
+`RuntimeStats` is the runtime part: in a step whose times the next forward records
+(`timing`), the wrapper marks when each phase starts and ends, a few clock readings;
+at the start of a sampled step's forward (as torch does) the previous step's phases
+are recorded. Other steps read no clock, as torch's reducer times only the iterations
+it samples.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RuntimeStats:
         self.sample_rate = 100  # torch's kDDPRuntimeLoggingSampleRate
         self.iteration = -1  # synchronised forwards so far, less one (torch counts from 0)
         self.marks: dict[str, int] = {}  # "<phase>_start"/"_end" -> time.time_ns()
+        self.timing = False  # this step's marks will be recorded: callers mark only then
         self.record: dict[str, int] = {}  # the last sampled step's times, torch's keys
         self._sums = dict.fromkeys(PHASES + ("backward_compute_comm_overlap",), 0)
         self._samples = 0
@@ -55,14 +58,22 @@ class RuntimeStats:
         (and say so: the caller adds what it records with the times)."""
         self.iteration += 1
         i = self.iteration
-        sampled = i > 0 and (i < 10 or i % self.sample_rate == 0) and self._complete()
+        sampled = i > 0 and self._samples_at(i) and self._complete()
         if sampled:
             self._sample(i)
-        self.marks = {"forward_compute_start": time.time_ns()}
+        self.timing = self._samples_at(i + 1)  # the next forward records this step
+        self.marks = {"forward_compute_start": time.time_ns()} if self.timing else {}
         return sampled
 
+    def _samples_at(self, iteration: int) -> bool:
+        """Whether the forward of `iteration` records the step before it: the first 10
+        steps, then one every `sample_rate` (a rate set between the two forwards makes
+        a step without marks, which is then skipped)."""
+        return iteration < 10 or iteration % self.sample_rate == 0
+
     def mark(self, event: str) -> None:
-        """The first time `event` happens in this step (e.g. "backward_comm_start")."""
+        """The first time `event` happens in this step (e.g. "backward_comm_start");
+        called only where `timing` is set."""
         if event not in self.marks:
             self.marks[event] = time.time_ns()
 
