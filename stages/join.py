@@ -141,10 +141,10 @@ class JoinDDP(RoundRobinDDP, Joinable):
             backward.in_flight.append((bucket, self._send(bucket)))
         status = self._status  # the end of backward's protocol (stage missing_grads)
         if not status.rides:
-            status.send(everything)
+            status.send(self, everything)
         for _, work in backward.in_flight:
             work.wait()
-        status.settle()  # if the others raise, so does this rank, rather than wait on
+        status.settle(self)  # if the others raise, so does this rank, rather than wait on
         self._synced_backwards += 1
 
     def _shadow_arrivals(self) -> list[int]:

@@ -60,7 +60,7 @@ class MissingGradsDDP(SkipSyncDDP):
         super().__init__(module, **options)
         self.rank = dist.get_rank(self.process_group)
         self._all_arrived = True  # every gradient came in the last synchronised backward
-        self._status = StatusExchange(self, rides=False)  # the status of the next backward
+        self._status = StatusExchange(rides=False)  # the status of the next backward
 
     def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
         # At every (re)build of the buckets: the last one, if dense, gets room for the
@@ -90,7 +90,7 @@ class MissingGradsDDP(SkipSyncDDP):
         """The status of the backward that follows, afresh: whether it rides in the last
         bucket is decided now, and every rank decides the same, from the same buckets and
         options."""
-        self._status = StatusExchange(self, rides=self._status_can_ride())
+        self._status = StatusExchange(rides=self._status_can_ride())
 
     def _status_can_ride(self) -> bool:
         """Whether the status can travel in the last bucket's all-reduce this step."""
@@ -101,7 +101,7 @@ class MissingGradsDDP(SkipSyncDDP):
     # --8<-- [start:backward]
     def _send(self, bucket: Bucket) -> dist.Work:
         if bucket.status is not None and self._status.rides:  # after the division
-            self._status.ride(bucket, self._backward.arrived)
+            self._status.ride(self, bucket, self._backward.arrived)
         return super()._send(bucket)
 
     # --8<-- [end:backward]
@@ -121,9 +121,9 @@ class MissingGradsDDP(SkipSyncDDP):
             self._launch_ready_buckets()
         status = self._status
         if not status.rides:  # right after the last bucket, without waiting for it
-            status.send(arrived)
+            status.send(self, arrived)
         super()._finish_backward()  # waits for every bucket and copies the averages out
-        status.settle()  # all zeros in the common case: done; else raises on every rank
+        status.settle(self)  # all zeros in the common case: done; else raises on every rank
 
     def _copy_in(self, bucket: Bucket) -> None:
         if not any(map(_is_none, [p.grad for p in bucket.params])):
@@ -225,38 +225,40 @@ class StatusExchange:
     after the last bucket; after the buckets have landed, `settle` reads the sum and,
     where it says something went wrong, exchanges the error rows and raises on every
     rank. What the columns hold is the stages': `_status_row` (and `status_columns`),
-    `_went_wrong`, `_error_row` (and `error_columns`), `_raise_on_every_rank`."""
+    `_went_wrong`, `_error_row` (and `error_columns`), `_raise_on_every_rank`, methods of
+    the model each step passes in. It keeps no reference to the model: the model holds
+    it, and a cycle would keep a model its user dropped, and its process group, alive
+    until Python's cycle collector runs."""
 
-    def __init__(self, ddp: MissingGradsDDP, rides: bool):
-        self.ddp = ddp
+    def __init__(self, rides: bool):
         self.rides = rides  # in the last bucket's all-reduce, after the gradients
         # The positions the row counted as come: the error row says the same. A gradient
         # that comes after the row left (the one before it came twice) counts as missing.
         self.told_ready: set[int] = set()
         self._alone: tuple[torch.Tensor, dist.Work] | None = None  # where it does not ride
 
-    def ride(self, bucket: Bucket, arrived: list[int]) -> None:
+    def ride(self, ddp: MissingGradsDDP, bucket: Bucket, arrived: list[int]) -> None:
         """This rank's row into the last bucket's tail, as the bucket leaves."""
         self.told_ready = set(arrived)
-        for i, value in enumerate(self.ddp._status_row(arrived)):
+        for i, value in enumerate(ddp._status_row(arrived)):
             bucket.status[i].fill_(value)  # a fill each, not a copy: on a GPU, no wait
 
-    def send(self, arrived: list[int]) -> None:
+    def send(self, ddp: MissingGradsDDP, arrived: list[int]) -> None:
         """This rank's row in an all-reduce of its own (`_send_status`), not waited for."""
         self.told_ready = set(arrived)
-        self._alone = self.ddp._send_status(self.ddp._status_row(arrived))
+        self._alone = ddp._send_status(ddp._status_row(arrived))
 
-    def settle(self) -> None:
+    def settle(self, ddp: MissingGradsDDP) -> None:
         """Once the buckets have landed: the status summed over the ranks (the same on
         every rank, so every rank takes the same branch) and, where it is not all zeros,
         the error rows exchanged and raised on every rank."""
-        ddp = self.ddp
         if self._alone is None:  # the tail: floats of the gradients' dtype (complex ones
             # too, hence abs), whole numbers; only zero or not matters
             summed = [round(abs(x)) for x in ddp.buckets[-1].status.tolist()]
         else:
             self._alone[1].wait()
             summed = self._alone[0].tolist()
+            self._alone = None  # done: its work and tensor are not kept past the step
         if ddp._went_wrong(summed):
             ddp._raise_on_every_rank(ddp._exchange_status(ddp._error_row(self.told_ready)))
 
