@@ -27,8 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # -- bit-for-bit resume under torchrun --max-restarts ------------------------------------
 
 
+# The harness calls a run that lasts past --hang-s a hang (180 s: ten times a run's 18 s
+# on an idle 2-core machine). Beside two busy loops, one took 182 s and was still going:
+# here only a hang may reach the limit.
+HANG_S = 1800
+
+
 def harness_options(**overrides: object) -> object:
-    """The harness's defaults (the command of the done criterion, 123 steps), adjusted."""
+    """The harness's defaults (the command of the done criterion, 123 steps), adjusted;
+    a hang is a run past HANG_S."""
+    overrides = {"hang_s": HANG_S, **overrides}
     parser_args = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]
     return fault_trials.options(parser_args)
 
