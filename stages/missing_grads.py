@@ -252,10 +252,10 @@ class StatusExchange:
         """Once the buckets have landed: the status summed over the ranks (the same on
         every rank, so every rank takes the same branch) and, where it is not all zeros,
         the error rows exchanged and raised on every rank."""
-        if self._alone is None:  # the tail: floats of the gradients' dtype (complex ones
-            # too, hence abs), whole numbers; only zero or not matters
+        if self.rides:  # the tail: floats of the gradients' dtype (complex ones too,
+            # hence abs), whole numbers; only zero or not matters
             summed = [round(abs(x)) for x in ddp.buckets[-1].status.tolist()]
-        else:
+        else:  # `send` ran: a status that does not ride and was never sent is a bug
             self._alone[1].wait()
             summed = self._alone[0].tolist()
             self._alone = None  # done: its work and tensor are not kept past the step
