@@ -130,11 +130,14 @@ class JoinDDP(RoundRobinDDP, Joinable):
         """The backward the others run: every bucket, in order, with zeros from us; then
         the status of a rank that misses nothing and used nothing (and, if the others'
         says something went wrong, the row of such a rank)."""
-        # As a rank whose every gradient came as expected, and that used nothing: the
-        # state a forward makes, with every gradient noted.
+        # As a rank whose forward reached nothing (so it used nothing: with
+        # find_unused_parameters, every parameter is unreached) and whose every other
+        # gradient came as expected: the state a forward makes, with those noted.
         self._prepare_for_backward()
         backward = self._backward
-        everything = self._shadow_arrivals()
+        self._note_unused(())
+        unreached = set(backward.unreached)
+        everything = [k for k in self._shadow_arrivals() if k not in unreached]
         backward.arrived.extend(everything)
         for bucket in self.buckets:  # the last, with the status
             bucket.buffer.zero_()

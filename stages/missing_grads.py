@@ -55,6 +55,10 @@ class MissingGradsDDP(SkipSyncDDP):
     # rank can name what went wrong where: "ready" has one entry per trainable parameter
     # (in `named_trainable` order), 1 if its gradient had come when the status left.
     error_columns: tuple[str, ...] = ("ready",)
+    # The columns whose sum, where it is not zero, is an error every rank raises (the
+    # same on every rank: they all see the same sum). A later stage may add one, or
+    # allow one.
+    raising_columns: tuple[str, ...] = ("missing",)
 
     def __init__(self, module: nn.Module, **options):
         super().__init__(module, **options)
@@ -157,8 +161,9 @@ class MissingGradsDDP(SkipSyncDDP):
     def _status_row(self, arrived: list[int]) -> list[int]:
         """This rank's part of the status, one integer per column, from the positions of
         the gradients that came in this backward so far (`arrived`, a list: a gradient
-        that came twice is there twice)."""
-        return [len(self.named_trainable) - len(set(arrived))]
+        that came twice is there twice). What forward did not reach (the backward's
+        `unreached`, none here) counts as come, as it does for its bucket."""
+        return [len(self.named_trainable) - len(set(arrived).union(self._backward.unreached))]
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         """The status summed over every rank in an all-reduce of its own, where it cannot
@@ -170,11 +175,6 @@ class MissingGradsDDP(SkipSyncDDP):
                 work.wait()
         status = torch.tensor(row, dtype=torch.int32, device=self._collective_device)
         return status, dist.all_reduce(status, group=self.process_group, async_op=True)
-
-    def _went_wrong(self, status: list[int]) -> bool:
-        """Whether the summed status says a rank must be told what went wrong (the same
-        answer on every rank: they all see the same sum)."""
-        return status[0] > 0
 
     def _error_row(self, ready: set[int]) -> Status:
         """This rank's row of what went wrong, by column."""
@@ -224,9 +224,9 @@ class StatusExchange:
     last bucket's tail as it leaves, or `send` starts an all-reduce of its own, right
     after the last bucket; after the buckets have landed, `settle` reads the sum and,
     where it says something went wrong, exchanges the error rows and raises on every
-    rank. What the columns hold is the stages': `_status_row` (and `status_columns`),
-    `_went_wrong`, `_error_row` (and `error_columns`), `_raise_on_every_rank`, methods of
-    the model each step passes in. It keeps no reference to the model: the model holds
+    rank. What the columns hold is the stages': `_status_row` (and `status_columns`,
+    `raising_columns`), `_error_row` (and `error_columns`), `_raise_on_every_rank`,
+    methods of the model each step passes in. It keeps no reference to the model: the model holds
     it, and a cycle would keep a model its user dropped, and its process group, alive
     until Python's cycle collector runs."""
 
@@ -236,6 +236,7 @@ class StatusExchange:
         # that comes after the row left (the one before it came twice) counts as missing.
         self.told_ready: set[int] = set()
         self._alone: tuple[torch.Tensor, dist.Work] | None = None  # where it does not ride
+        self.summed: list[int] = []  # the status summed over the ranks, once settled
 
     def ride(self, ddp: MissingGradsDDP, bucket: Bucket, arrived: list[int]) -> None:
         """This rank's row into the last bucket's tail, as the bucket leaves."""
@@ -259,7 +260,9 @@ class StatusExchange:
             self._alone[1].wait()
             summed = self._alone[0].tolist()
             self._alone = None  # done: its work and tensor are not kept past the step
-        if ddp._went_wrong(summed):
+        self.summed = summed
+        columns = ddp.status_columns
+        if any(summed[columns.index(column)] for column in ddp.raising_columns):
             ddp._raise_on_every_rank(ddp._exchange_status(ddp._error_row(self.told_ready)))
 
 

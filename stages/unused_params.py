@@ -48,10 +48,15 @@ class UnusedParamsDDP(MissingGradsDDP):
     # and the status then travels in an all-reduce of its own.
     status_columns = (*MissingGradsDDP.status_columns, "problems")
     error_columns = (*MissingGradsDDP.error_columns, "problems")
+    # A problem is an error on every rank; with find_unused_parameters, a missing
+    # gradient is not.
+    raising_columns = (*MissingGradsDDP.raising_columns, "problems")
 
     def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False, **options):
         super().__init__(module, **options)
         self.find_unused_parameters = find_unused_parameters
+        if find_unused_parameters:  # forward may skip parameters: none is missing
+            self.raising_columns = ("problems",)
         self._globally_used = [1] * len(self.named_trainable)  # per position: used anywhere
         self._problems: list[str] = []  # found in this backward, raised on every rank
         self._used: set[int] = set()  # positions this rank produced since the last sync
@@ -119,14 +124,22 @@ class UnusedParamsDDP(MissingGradsDDP):
         arrived = self._backward.arrived
         if self.find_unused_parameters:  # no_sync() micro-batches count as used
             self._used = {*self._accumulated, *arrived}
-        # Where the status rode in the last bucket, nothing can have come since: within
-        # one backward autograd accumulates each gradient once, so the last bucket
-        # leaves after every gradient came. (A nested, reentrant backward could bring
-        # one again; its end-of-backward callback runs first and the stage then refuses
-        # the outer gradients, before any of this.)
+        # Where the status rode in the last bucket, something can have come since only
+        # from a nested, reentrant backward (a layer used inside a reentrant checkpoint
+        # and outside it): a gradient again, after its bucket left. Only this rank
+        # knows; it raises (as torch's DDP does on that rank) rather than average half
+        # of that gradient in silence. The group stays in step: every collective of the
+        # step has run.
         self._problems = self._problems_in(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status
+        if self._problems:  # noted after the status left in the last bucket: see below
+            raise RuntimeError(
+                f"{type(self).__name__}: bad backward on rank {self.rank}, found after the "
+                f"status had left (the other ranks go on): {'; '.join(self._problems)}"
+            )
+        if self.find_unused_parameters:  # the "used" numbers, summed: used anywhere?
+            self._globally_used = self._status.summed[len(self.status_columns) :]
         for bucket in self._deferred:
             for i, param in enumerate(bucket.params):
                 self._unload_one(param, bucket.view_of(i))
@@ -176,12 +189,6 @@ class UnusedParamsDDP(MissingGradsDDP):
                 used[k] = 1
         problems = len(self._problems_in(arrived))
         return [*super()._status_row(arrived), problems, *used]
-
-    def _went_wrong(self, status: list[int]) -> bool:
-        if self.find_unused_parameters:  # a missing gradient is allowed
-            self._globally_used = status[2:]
-            return status[1] > 0
-        return status[1] > 0 or super()._went_wrong(status)
 
     def _error_row(self, ready: set[int]) -> Status:
         return {

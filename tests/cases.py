@@ -202,15 +202,18 @@ def reference_run(case: Case, init: list[torch.Tensor]) -> RankRun:
 
 def ready_order(case: Case) -> tuple[nn.Module, list[nn.Parameter]]:
     """The order one backward makes the trainable parameters' gradients ready in, seen by
-    hooks on a fresh single-process copy of the net."""
+    hooks on a fresh single-process copy of the net; those that got none (a layer
+    forward never calls) first, in parameter order, as torch's reducer records them
+    (ready at the first gradient)."""
     model = build_net(case.net, seed=0)
     order: list[nn.Parameter] = []
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(order.append)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(order.append)
     inputs, targets = global_batch(case, 0)
     F.mse_loss(model(inputs[0]), targets[0]).backward()
-    return model, order
+    came = set(map(id, order))
+    return model, [*(p for p in trainable if id(p) not in came), *order]
 
 
 def expected_bucket_sizes(

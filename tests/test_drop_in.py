@@ -5,6 +5,7 @@ describes), and what the drop-in does not implement raises as torch's does."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import pickle
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from tests.against_torch import (
 )
 from tests.nets import UserNet
 from tests.pool import MAX_WORLD
+from tests.suite import check_case, worked
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Script:
     static_graph: bool = False
     fp16_hook: bool = False
     accumulation: int = 2
+    unused_layer: bool = False  # a layer forward never calls (always, with the flag)
 
 
 SCRIPTS = {
@@ -57,6 +60,9 @@ SCRIPTS = {
         static_graph=True, find_unused_parameters=True, fp16_hook=True, accumulation=1
     ),
     "static-graph-small-buckets": Script(static_graph=True, bucket_cap_mb=1e-4, accumulation=1),
+    # static_graph finds the unused layer in its first step, without the flag: from the
+    # second on, its gradients are not missing.
+    "static-graph-unused-layer": Script(static_graph=True, unused_layer=True, accumulation=1),
 }
 
 
@@ -70,7 +76,7 @@ def user_script(rank: int, group: dist.ProcessGroup, which: str, script: Script)
         from stages.drop_in import DistributedDataParallel as DDP
 
     torch.manual_seed(1000 * rank + 1)
-    model = UserNet(unused=script.find_unused_parameters)
+    model = UserNet(unused=script.find_unused_parameters or script.unused_layer)
     ddp = DDP(
         model,
         device_ids=None,
@@ -103,7 +109,7 @@ def user_script(rank: int, group: dist.ProcessGroup, which: str, script: Script)
     saved = io.BytesIO()
     torch.save(ddp.module.state_dict(), saved)
     saved.seek(0)
-    fresh = UserNet(unused=script.find_unused_parameters)
+    fresh = UserNet(unused=script.find_unused_parameters or script.unused_layer)
     fresh.load_state_dict(torch.load(saved, weights_only=True))
     return record, keys, fresh.state_dict(), ddp.module.state_dict()
 
@@ -121,6 +127,16 @@ def test_torch_ddp_script_runs_unchanged(pool, script: Script) -> None:
         assert keys == t_keys, f"rank {rank}: state_dict keys {keys} vs torch's {t_keys}"
         assert all(k.startswith("module.") for k in keys), keys
         assert_same(dict(reloaded), dict(state), f"rank {rank}, reloaded state_dict", EXACT)
+
+
+def test_static_graph_counts_a_layer_forward_never_calls_as_come(pool) -> None:
+    """Without find_unused_parameters, static_graph learns in its first step what
+    forward never reaches; from then on those gradients count as come, not missing: the
+    suite's four properties hold, and no step adds an exchange of error rows (a status
+    that counted them as missing would: one all-reduce more per step)."""
+    case = worked("drop_in", steps=3, bucket_cap_mb=25.0)  # one bucket, rebuilt or not
+    net = dataclasses.replace(case.net, unused=True)
+    check_case(pool, dataclasses.replace(case, net=net, options=(("static_graph", True),)))
 
 
 def unsupported_arguments(rank: int, group: dist.ProcessGroup) -> dict[str, str]:

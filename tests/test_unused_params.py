@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stages.drop_in import DistributedDataParallel as DropIn
 from stages.drop_in.class_swap import TORCH_DDP
@@ -235,6 +236,56 @@ def test_loss_reaches_a_parameter_the_output_does_not(
             "'Expected to mark a variable ready only once'"
         )
         assert "'extra.weight'" in error, error
+        check_healthy(2, after)
+
+
+class UsedTwice(nn.Module):
+    """A layer used inside a reentrant checkpoint and again outside it: in one backward
+    its gradient comes twice (the outer graph's, then the checkpoint's inner backward's),
+    both before the first layer's, the last to come (without it, the last of all)."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = nn.Linear(3, 3) if first else nn.Identity()
+        self.inner = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.inner, self.first(x).requires_grad_(), use_reentrant=True)
+        return self.out(self.inner(h))
+
+
+def gradient_twice(
+    rank: int, group: dist.ProcessGroup, stage: str, first: bool
+) -> tuple[str | None, tuple]:
+    torch.manual_seed(1000 * rank)
+    # With a first layer, a bucket per parameter: none leaves before its gradient came
+    # (the second comes after its bucket left), nothing is missing, and the status
+    # carries the problem. Without one, one bucket: it leaves at the first 4 gradients,
+    # before the second ones come, and only the end of backward sees them.
+    cap = 1e-9 if first else 25.0
+    wrapped = build_wrapper(stage, UsedTwice(first), group, bucket_cap_mb=cap)
+
+    def backward() -> None:
+        wrapped(torch.randn(2, 3)).sum().backward()
+
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["in-the-status", "after-the-status"])
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_a_gradient_that_comes_twice_raises_on_every_rank(pool, stage: str, first: bool) -> None:
+    """Without find_unused_parameters too: a problem a rank notes in its backward (here
+    a gradient that came twice; torch's DDP raises "Expected to mark a variable ready
+    only once" on that rank) is an error, never a silent sum of half the gradient, and
+    the group stays usable. Noted before the status left, every rank raises; after, the
+    rank that saw it (here every rank)."""
+    runs = pool.run(2, gradient_twice, stage, first, timeout_s=SECONDS)
+    for rank, run in enumerate(runs):
+        assert not isinstance(run, RankError), run.traceback
+        error, after = run
+        assert error is not None, f"rank {rank} finished a backward that got a gradient twice"
+        assert "'inner.weight' got its gradient twice" in error, error
         check_healthy(2, after)
 
 

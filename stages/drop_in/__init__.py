@@ -373,13 +373,6 @@ class DistributedDataParallel(AutoBucketDDP):
         if not self.static_graph:  # torch's static_graph never walks, so never warns
             super()._nothing_unused()
 
-    def _status_row(self, arrived: list[int]) -> list[int]:
-        row = super()._status_row(arrived)
-        if self.static_graph and self._expected is not None:  # unused ones are not missing
-            ready = set(arrived)
-            row[0] -= sum(1 for k in self._static_unused if k not in ready)
-        return row
-
     def _problems_in(self, arrived: list[int]) -> list[str]:
         if not (self.static_graph and self._expected is not None):
             return super()._problems_in(arrived)
