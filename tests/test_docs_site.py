@@ -9,8 +9,9 @@ tests/test_tensorboard.py does; every request off loopback is aborted).
   stops mid-sentence, or one that did not parse and shows `!!!` as text).
 - Anatomy of a step: its JavaScript computes profiling/course/anatomy.py's step on a grid, bar
   by bar, and a slider moved redraws it.
-- The course's reading path (every page but the appendix): at most 6,000 words, and no
-  run of the project's history named; every stage page shows its picture before any
+- The course's reading path (every page but the appendix): at most 6,000 words, no
+  run of the project's history named, and no request that fails with the network
+  blocked; the core path's Next links go page to page along it; every stage page shows its picture before any
   code and folds the answers of its exercises.
 
 Skips where Chromium or Playwright is missing; in CI (CI set) that is a failure, as in
@@ -42,6 +43,7 @@ PAGES = [
     "scaling/",
     "accuracy/",
     "anatomy/",
+    "the-rest/",
 ]
 # Source that should have been rendered: snippet includes, the hooks' placeholders, a
 # bullet or an admonition that Markdown took for a paragraph.
@@ -123,15 +125,30 @@ def served(site: Path):
 
 @pytest.fixture(scope="module")
 def page(served: str):
+    """A Chromium tab with the network blocked: a request off the site is aborted, and
+    it and any request that failed (`tab.failed`, cleared by the tests that read it)
+    are what a reader offline would see fail."""
+    failed: list[str] = []
+
+    def site_only(route) -> None:
+        if route.request.url.startswith(served):
+            route.continue_()
+        else:
+            failed.append(route.request.url)
+            route.abort()
+
     with chromium() as browser:
         context = browser.new_context(viewport={"width": 1280, "height": 900})
-        context.route(  # the site only: anything else would mean a request off loopback
-            "**/*",
-            lambda route: (
-                route.continue_() if route.request.url.startswith(served) else route.abort()
-            ),
-        )
+        context.route("**/*", site_only)
         tab = context.new_page()
+        tab.failed = failed
+        # A request a navigation cancels (the page before still loading) is not one that
+        # failed: net::ERR_ABORTED.
+        tab.on(
+            "requestfailed",
+            lambda r: None if r.failure == "net::ERR_ABORTED" else failed.append(r.url),
+        )
+        tab.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
         tab.set_default_timeout(300_000)  # only a hang waits it out, not a busy machine
         yield tab
         context.close()
@@ -229,8 +246,11 @@ MAX_WORDS = 6000
 @pytest.mark.parametrize("path", TEACHING_PAGES)
 def test_teaching_page_is_short_and_names_no_run(page, served: str, path: str) -> None:
     url = served + ("" if path == "index/" else path)
-    response = page.goto(url, wait_until="load")
+    page.failed.clear()
+    response = page.goto(url, wait_until="networkidle")
     assert response is not None and response.ok, f"{path}: HTTP {response and response.status}"
+    # Offline, with the network blocked: nothing the page asks for fails.
+    assert page.failed == [], f"{path}: requests that failed offline: {page.failed}"
     text = page.evaluate(ARTICLE_TEXT)
     words = len(text.split())
     assert words <= MAX_WORDS, f"{path}: {words} words, over {MAX_WORDS}"
@@ -249,6 +269,31 @@ def test_stage_page_shows_its_picture_first_and_folds_its_answers(name: str) -> 
     assert "\n## Try it" in text, f"{name}: no Try it section"
     exercises = text[text.index("\n## Try it") :]
     assert '??? "Answer"' in exercises, f"{name}: no folded answer in Try it"
+
+
+# The core path, in the order its pages' Next links go (mkdocs.yml's nav): a reader
+# who follows them meets no optional page before its end.
+CORE_PATH = [
+    "index.html",
+    "all_reduce/index.html",
+    *(f"stages/{name}/index.html" for name in ("naive", "bucketed", "overlapped", "skip_sync")),
+    "anatomy/index.html",
+    "the-rest/index.html",
+]
+NEXT_LINK = re.compile(r'<a\b[^>]*\bmd-footer__link--next\b[^>]*>')
+HREF = re.compile(r'\bhref="([^"]*)"')
+
+
+def test_next_follows_the_core_path(site: Path) -> None:
+    for here, following in zip(CORE_PATH, CORE_PATH[1:]):
+        link = NEXT_LINK.search((site / here).read_text())
+        assert link, f"{here}: no Next link"
+        href = HREF.search(link.group(0)).group(1)
+        target = (site / here).parent / href
+        target = target / "index.html" if href.endswith("/") else target
+        assert target.resolve() == (site / following).resolve(), (
+            f"{here}: Next goes to {href}, not {following}"
+        )
 
 
 # What a browser fetches by itself: a stylesheet, font, script, image or frame; a link a
