@@ -1,6 +1,6 @@
 """What each all-reduce of ddp.collectives costs, measured and modelled.
 
-Every algorithm (naive, ring, halving_doubling, tree) and Gloo's own all-reduce, timed
+Every flat algorithm (naive, ring, halving_doubling, tree) and Gloo's own all-reduce, timed
 on tensors from 4 KiB to 256 MiB on 2 or more ranks of the shaped cluster
 (`profiling.cluster`: one network namespace per rank, links shaped to a fixed rate), and
 the alpha-beta-gamma model fitted to each (`model`):
@@ -10,6 +10,10 @@ the alpha-beta-gamma model fitted to each (`model`):
         --plot docs/images/collectives.png
     python -m profiling.collectives --world-sizes 4,6 --delay-ms 1 --max-size 16MiB \\
         --json docs/results/collectives.json ... --merge   # with an emulated delay
+
+The hierarchical algorithms run with `--algorithms hierarchical_ring,...` and
+`--ranks-per-node R` (nodes of R consecutive ranks). Every link of the cluster is
+alike, so that measures their phases' steps and bytes, not faster links inside a node.
 
 The shaped links cannot add latency (no netem in the kernel this was developed on), so
 `--delay-ms` makes every rank wait that long before each step's sends, inside

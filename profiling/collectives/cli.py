@@ -22,6 +22,9 @@ from profiling.collectives.worker import GLOO
 from profiling.common.report import command_line, load_average, machine, read_json, write_json
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+# The default sweep: the hierarchical algorithms are the same as these with one rank
+# per node, and are asked for by name with --ranks-per-node.
+FLAT = tuple(a for a in ALGORITHMS if not a.startswith("hierarchical_"))
 
 
 def parse_size(text: str) -> int:
@@ -46,8 +49,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, each >= 2")
     parser.add_argument(
         "--algorithms",
-        default=",".join([*ALGORITHMS, GLOO]),
+        default=",".join([*FLAT, GLOO]),
         help=f"any of {', '.join([*ALGORITHMS, GLOO])}",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks 0..R-1 make node 0, and so on: the nodes of the hierarchical "
+        "algorithms (every link is alike, on loopback and on the shaped cluster)",
     )
     parser.add_argument("--min-size", type=parse_size, default=4 * 2**10)
     parser.add_argument(
@@ -80,6 +90,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     if any(w < 2 for w in args.world_sizes):
         parser.error("--world-sizes: each must be >= 2 (one rank has nothing to exchange)")
+    if args.ranks_per_node < 1 or any(w % args.ranks_per_node for w in args.world_sizes):
+        parser.error(f"--ranks-per-node {args.ranks_per_node} must divide every world size")
     args.algorithms = args.algorithms.split(",")
     unknown = set(args.algorithms) - {*ALGORITHMS, GLOO}
     if unknown:
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {
             "sizes_bytes": sizes, "algorithms": args.algorithms, "delay_ms": args.delay_ms,
             "min_repeats": args.min_repeats, "max_repeats": args.max_repeats,
-            "seconds_per_size": args.seconds_per_size,
+            "seconds_per_size": args.seconds_per_size, "ranks_per_node": args.ranks_per_node,
         }  # fmt: skip
         run = _run_world(world_size, args.network, settings, args.timeout)
         run |= {"command": command, "settings": settings, "machine": machine()}

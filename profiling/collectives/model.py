@@ -14,6 +14,8 @@ description (docs: "What all_reduce does"), for the rank on the critical path:
     ring, gloo         2(p-1)          2(p-1)/p                (p-1)/p
     halving_doubling   2 lg q (+2)     2(q-1)/q (+2)           (q-1)/q (+1)
     tree               2 lg p (*)      2 ceil(lg p)            ceil(lg p)
+    hierarchical_X     the tree's steps and bytes over the g ranks of a node, plus X's
+                       over the N = p/g nodes' leaders (`three_phases`)
 
 with q the largest power of two <= p, and (+...) only when p is not one. (*) fewer
 when p is not a power of two: `tree_steps`. Gloo's all-reduce on CPU is a ring, so it
@@ -66,11 +68,17 @@ class Counts:
         return sum(self.phases)
 
 
-def counts(algorithm: str, p: int, size_bytes: float) -> Counts:
-    """Steps, bytes and bytes added on the critical path of one all-reduce."""
+def counts(algorithm: str, p: int, size_bytes: float, ranks_per_node: int = 1) -> Counts:
+    """Steps, bytes and bytes added on the critical path of one all-reduce.
+    `ranks_per_node`: the nodes the hierarchical algorithms' phases run over."""
     n = size_bytes
+    if p % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} does not cut {p} ranks into whole nodes")
     if p == 1:
         return Counts(0, (), 0)
+    if algorithm.startswith("hierarchical_"):
+        between = algorithm.removeprefix("hierarchical_")
+        return three_phases(between, p // ranks_per_node, ranks_per_node, n).total
     if algorithm == "naive":  # rank 0 receives everyone's, then sends to everyone
         return Counts(2, ((p - 1) * n, (p - 1) * n), (p - 1) * n)
     if algorithm in ("ring", "gloo"):
@@ -88,12 +96,82 @@ def counts(algorithm: str, p: int, size_bytes: float) -> Counts:
     raise ValueError(f"no cost model for algorithm {algorithm!r}")
 
 
+@dataclass(frozen=True)
+class ThreePhases:
+    """A hierarchical all-reduce on its critical path, phase by phase: inside each
+    node, between the nodes, inside again."""
+
+    inside_before: Counts  # phase 1: each node's sum made inside it
+    between: Counts  # phase 2: what one rank that crosses between nodes does
+    inside_after: Counts  # phase 3: the result spread inside each node
+    ranks_between: int  # ranks of a node in phase 2 at once: they share its link out
+
+    @property
+    def total(self) -> Counts:
+        """The three one after the other, on one rank's link: what ddp.collectives
+        runs, where every link is alike."""
+        parts = (self.inside_before, self.between, self.inside_after)
+        return Counts(
+            sum(c.steps for c in parts),
+            tuple(b for c in parts for b in c.phases),
+            sum(c.added for c in parts),
+        )
+
+
+def three_phases(
+    between_algorithm: str,
+    nodes: int,
+    ranks_per_node: int,
+    size_bytes: float,
+    *,
+    sharded: bool = False,
+) -> ThreePhases:
+    """The phases of a hierarchical all-reduce of n = `size_bytes` over N = `nodes`
+    nodes of g = `ranks_per_node` ranks, with `between_algorithm` (ring or
+    halving_doubling) between nodes. Two forms:
+
+    - sharded=False: Goyal et al.'s, as `ddp.collectives` builds it
+      (hierarchical_ring, hierarchical_halving_doubling). The binomial tree's upward
+      half sums the node's n on its first rank, the leader (the tree's steps to the
+      root, ceil(lg g) n received and added); the N leaders all-reduce all n
+      (c(between, N, n)), one rank per node; the tree's downward half sends the result
+      back (the rest of the tree's steps, ceil(lg g) n sent).
+    - sharded=True: NCCL's, as `profiling.simulate.topology` prices it. A ring
+      reduce-scatter leaves each rank of a node one shard n/g of the node's sum (g-1
+      steps, (g-1)/g n sent and added); all g ranks all-reduce their shard with their
+      peers on the other nodes at once (c(between, N, n/g) each, through the node's one
+      link); a ring all-gather inside finishes (g-1 steps, (g-1)/g n sent).
+
+    Between nodes the two put the same bytes through a node's link, 2(N-1)/N n for the
+    ring, in the same steps; inside a node the tree takes 2 ceil(lg g) steps of all n,
+    the ring 2(g-1) steps of n/g."""
+    n, g = size_bytes, ranks_per_node
+    if sharded:
+        between = counts(between_algorithm, nodes, n / g)
+        shard = (g - 1) / g * n  # the ring's bytes each way, and the reduce-scatter's adds
+        before = Counts(g - 1, (shard,) if g > 1 else (), shard)
+        after = Counts(g - 1, (shard,) if g > 1 else (), 0.0)
+        return ThreePhases(before, between, after, ranks_between=g)
+    between = counts(between_algorithm, nodes, n)
+    up_steps, all_steps = _tree_schedule(g)
+    depth = math.ceil(math.log2(g))  # the leader's children in the tree
+    whole = (depth * n,) if g > 1 else ()
+    before = Counts(up_steps, whole, depth * n)
+    after = Counts(all_steps - up_steps, whole, 0.0)
+    return ThreePhases(before, between, after, ranks_between=1)
+
+
 def tree_steps(p: int) -> int:
     """Latencies on the binomial tree's critical path: 2 lg p for a power of two,
-    fewer otherwise (a rank with no children sends at once; 3 for p = 3, 5 for p = 6).
-    Worked out by running the tree's schedule with one unit per message and instant
-    transfers: a rank sends up once it has received from all its children, and sends
-    down to its children one after the other, farthest first."""
+    fewer otherwise (a rank with no children sends at once; 3 for p = 3, 5 for p = 6)."""
+    return _tree_schedule(p)[1]
+
+
+def _tree_schedule(p: int) -> tuple[int, int]:
+    """(latencies until rank 0 holds the sum, until every rank holds it) on the
+    binomial tree. Worked out by running the tree's schedule with one unit per message
+    and instant transfers: a rank sends up once it has received from all its children,
+    and sends down to its children one after the other, farthest first."""
 
     def lowest_bit(r: int) -> int:  # the distance to r's parent; the root's is beyond p
         return r & -r if r else 1 << p.bit_length()
@@ -110,7 +188,7 @@ def tree_steps(p: int) -> int:
     for r in reversed(leaves_first):
         for k, c in enumerate(children(r), start=1):
             down[c] = down[r] + k
-    return max(down.values())
+    return up[0], max(down.values())
 
 
 def predict(
@@ -120,10 +198,12 @@ def predict(
     size_bytes: float,
     delay_s: float = 0,
     free_bytes: float | None = None,
+    ranks_per_node: int = 1,
 ) -> float:
     """Seconds for one all-reduce. `delay_s` adds the emulated delay to every step;
-    `free_bytes` (default: the fitted one) is what each phase gets through for free."""
-    c = counts(algorithm, p, size_bytes)
+    `free_bytes` (default: the fitted one) is what each phase gets through for free;
+    `ranks_per_node`: the hierarchical algorithms' nodes."""
+    c = counts(algorithm, p, size_bytes, ranks_per_node)
     free = fit["free_bytes"] if free_bytes is None else free_bytes
     wire = sum(max(0.0, phase - free) for phase in c.phases)
     return (
@@ -152,6 +232,7 @@ def medians(runs: list[dict]) -> list[dict]:
             s = cell["seconds"]
             rows.append({
                 "delay_ms": run["delay_ms"], "world_size": run["world_size"],
+                "ranks_per_node": run.get("ranks_per_node", 1),
                 "algorithm": cell["algorithm"], "size_bytes": cell["size_bytes"],
                 "median_s": statistics.median(s), "min_s": min(s), "max_s": max(s),
                 "calls": len(s), "network": run["network"]["rate"],
@@ -213,7 +294,7 @@ def _fit_alpha_beta(
     rows' `key` seconds, gamma and free_bytes given."""
     a, b = [], []
     for r in rows:
-        c = counts(algorithm, r["world_size"], r["size_bytes"])
+        c = counts(algorithm, r["world_size"], r["size_bytes"], r.get("ranks_per_node", 1))
         t = r[key]
         wire = sum(max(0.0, phase - free) for phase in c.phases)
         a.append([c.steps / t, wire / t])  # each row divided by t: relative error
@@ -243,8 +324,8 @@ def errors(
     if not rows:
         return {"median_pct": None, "worst_pct": None, "worst_at": None, "rows": 0}
     errors = [
-        (abs(predict(fit, algorithm, r["world_size"], r["size_bytes"], delay_s) / r[key] - 1)
-         * 100, r)
+        (abs(predict(fit, algorithm, r["world_size"], r["size_bytes"], delay_s,
+                     ranks_per_node=r.get("ranks_per_node", 1)) / r[key] - 1) * 100, r)
         for r in rows
     ]  # fmt: skip
     worst, at = max(errors, key=lambda e: e[0])
@@ -272,10 +353,11 @@ def delay_check(rows: list[dict], fits: dict[str, dict]) -> list[dict]:
             # alpha alone, least squares on relative error, beta and gamma as fitted.
             num = den = 0.0
             for r in mine:
-                c = counts(algorithm, r["world_size"], r["size_bytes"])
+                per_node = r.get("ranks_per_node", 1)
+                c = counts(algorithm, r["world_size"], r["size_bytes"], per_node)
                 t = r["median_s"]
                 rest = (
-                    predict(f, algorithm, r["world_size"], r["size_bytes"])
+                    predict(f, algorithm, r["world_size"], r["size_bytes"], ranks_per_node=per_node)
                     - c.steps * (f["alpha_s"])
                 )
                 num += c.steps / t * (t - rest) / t

@@ -111,8 +111,10 @@ def _settings(runs: list[dict]) -> str:
         delay = (f"emulated delay {run['delay_ms']:g} ms per step (in ddp.collectives, not on "
                  "the link)") if run["delay_ms"] else "no emulated delay"  # fmt: skip
         m = run["machine"]
+        nodes = run.get("ranks_per_node", 1)
+        layout = f" ({nodes} per node)" if nodes > 1 else ""
         parts.append(
-            f"- {run['world_size']} ranks, {link}, {delay}; sizes "
+            f"- {run['world_size']} ranks{layout}, {link}, {delay}; sizes "
             f"{size_label(run['settings']['sizes_bytes'][0])} to "
             f"{size_label(run['settings']['sizes_bytes'][-1])} of float32; "
             f"{run['settings']['min_repeats']}-{run['settings']['max_repeats']} calls per "
@@ -296,6 +298,9 @@ def plot(analysis: dict, path: str) -> None:
         ax.set_visible(False)
     for ax, (delay_ms, p) in zip(axes.flat, keys, strict=False):
         here = [r for r in rows if r["delay_ms"] == delay_ms and r["world_size"] == p]
+        # The model line takes the first run's nodes: runs merged at one world size and
+        # delay with another --ranks-per-node share the panel.
+        per_node = here[0].get("ranks_per_node", 1)
         for algorithm in _algorithms(r["algorithm"] for r in here):
             mine = sorted((r for r in here if r["algorithm"] == algorithm),
                           key=lambda r: r["size_bytes"])  # fmt: skip
@@ -307,7 +312,8 @@ def plot(analysis: dict, path: str) -> None:
                             [r["max_s"] * 1e3 for r in mine], color=color, alpha=0.08)  # fmt: skip
             if algorithm in fits:
                 grid = [x[0] * (x[-1] / x[0]) ** (k / 60) for k in range(61)]
-                ax.plot(grid, [model.predict(fits[algorithm], algorithm, p, s, delay_ms / 1e3) * 1e3
+                ax.plot(grid, [model.predict(fits[algorithm], algorithm, p, s, delay_ms / 1e3,
+                                             ranks_per_node=per_node) * 1e3
                                for s in grid], ls="--", lw=0.8, color=color)  # fmt: skip
         # Crossovers often lie close together: their labels stacked down the right margin
         # of the panel, in the algorithm's colour, rather than beside each mark.

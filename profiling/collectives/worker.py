@@ -26,7 +26,7 @@ WARMUP_BYTES = (4 * 2**10, 256 * 2**10)
 
 def run_worker(settings: dict) -> None:
     """settings: sizes_bytes, algorithms, delay_ms, min_repeats, max_repeats,
-    seconds_per_size, out (rank 0's result file)."""
+    seconds_per_size, ranks_per_node (1 if absent), out (rank 0's result file)."""
     dist.init_process_group("gloo")
     try:
         result = sweep(settings)
@@ -37,16 +37,17 @@ def run_worker(settings: dict) -> None:
         dist.destroy_process_group()
 
 
-def _call(algorithm: str, tensor: torch.Tensor, delay_s: float) -> None:
+def _call(algorithm: str, tensor: torch.Tensor, delay_s: float, ranks_per_node: int) -> None:
     if algorithm == GLOO:
         dist.all_reduce(tensor)
     else:
-        all_reduce(tensor, algorithm, delay_s=delay_s)
+        all_reduce(tensor, algorithm, ranks_per_node=ranks_per_node, delay_s=delay_s)
 
 
 def sweep(settings: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     delay_s = settings["delay_ms"] / 1e3
+    per_node = settings.get("ranks_per_node", 1)
     algorithms = list(settings["algorithms"])
     if delay_s > 0 and GLOO in algorithms:
         algorithms.remove(GLOO)  # Gloo's own cannot be given the emulated delay
@@ -56,7 +57,7 @@ def sweep(settings: dict) -> dict:
         tensor = torch.zeros(size_bytes // ELEMENT_BYTES)
         for _ in range(5):
             for algorithm in algorithms:
-                _call(algorithm, tensor, delay_s)
+                _call(algorithm, tensor, delay_s, per_node)
 
     cells, add_cells = [], []
     start = time.perf_counter()
@@ -73,7 +74,7 @@ def sweep(settings: dict) -> dict:
             for algorithm in algorithms[k:] + algorithms[:k]:
                 dist.barrier()
                 t0 = time.perf_counter()
-                _call(algorithm, tensor, delay_s)
+                _call(algorithm, tensor, delay_s, per_node)
                 seconds[algorithm].append(time.perf_counter() - t0)
             if rounds is None:  # the first round sets how many fit in the time per size
                 first = torch.tensor([sum(s[0] for s in seconds.values())], dtype=torch.float64)
@@ -97,6 +98,7 @@ def sweep(settings: dict) -> dict:
     return {
         "world_size": world,
         "delay_ms": settings["delay_ms"],
+        "ranks_per_node": per_node,
         "threads_per_rank": torch.get_num_threads(),
         "seconds_of_rounds": time.perf_counter() - start,
         "cells": cells,

@@ -51,15 +51,22 @@ What each algorithm costs on the cluster:
   inside each server leaves each GPU with the node's sum of one n/g shard; the g GPUs
   then each all-reduce their shard across the N servers at the same time, through the
   NIC they share (a ring or halving-doubling over N); a ring all-gather inside the
-  server finishes. The reduce-scatter and all-gather together are exactly a ring
-  all-reduce over g, so with cg = c(ring, g, n) and cN = c(inter algorithm, N, n/g):
+  server finishes. The phases' counts are `profiling.collectives.model.three_phases`
+  (sharded): with c1, c3 the reduce-scatter and the all-gather (g-1 steps and
+  (g-1)/g n sent each, together exactly a ring all-reduce over g) and cN =
+  c(inter algorithm, N, n/g):
 
-      latency = call + cg.steps * intra + cN.steps * inter + (cg.added + cN.added) * gamma
-      wire    = cg.sent / B_intra + g * cN.sent / B_inter
+      latency = call + (c1 + c3).steps * intra + cN.steps * inter
+                + (c1 + cN + c3).added * gamma
+      wire    = (c1 + c3).sent / B_intra + g * cN.sent / B_inter
 
   Goyal et al. reduced to one buffer per server and all-reduced that whole buffer
-  between servers; through the NIC that is cN computed on n instead of g shards of
-  n/g, the same bytes, in the same number of inter-node steps.
+  between servers, as `ddp.collectives` builds it (three_phases, not sharded): a
+  binomial tree up to the server's first GPU and back down, and one GPU per server
+  all-reducing all n. Through the NIC that is cN computed on n instead of g shards of
+  n/g, the same bytes, in the same number of inter-node steps; inside the server the
+  tree takes 2 ceil(lg g) steps of all n where the ring takes 2(g-1) of n/g. The
+  simulator prices the sharded form for both names.
 
 With N = 1 every algorithm is its single-server form; with g = 1 the hierarchical forms
 are the flat inter-node algorithm. The bandwidth terms run one after the other: the
@@ -76,7 +83,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from profiling.collectives.model import counts
+from profiling.collectives.model import counts, three_phases
 from profiling.simulate.schedule import Cost, CostModel
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -184,12 +191,17 @@ def halving_doubling(topo: Topology, nbytes: float) -> Cost:
 def hierarchical(topo: Topology, nbytes: float, inter_algorithm: str = "ring") -> Cost:
     """Reduce-scatter in each server, every GPU's shard all-reduced across servers at
     once (`inter_algorithm`: ring or halving_doubling), all-gather in each server."""
-    g = topo.gpus_per_node
-    cg = counts("ring", g, nbytes)  # the reduce-scatter and the all-gather together
-    cn = counts(inter_algorithm, topo.nodes, nbytes / g)
-    latency = cg.steps * topo.intra_latency_s + cn.steps * topo.inter_latency_s
-    wire = cg.sent / topo.intra_bytes_per_s + g * cn.sent / topo.inter_bytes_per_s
-    return _cost(topo, latency, cg.added + cn.added, wire)
+    h = three_phases(inter_algorithm, topo.nodes, topo.gpus_per_node, nbytes, sharded=True)
+    inside = (h.inside_before, h.inside_after)  # over NVLink
+    latency = (
+        sum(c.steps for c in inside) * topo.intra_latency_s + h.between.steps * topo.inter_latency_s
+    )
+    wire = (
+        sum(c.sent for c in inside) / topo.intra_bytes_per_s
+        + h.ranks_between * h.between.sent / topo.inter_bytes_per_s  # sharing the NIC
+    )
+    added = h.inside_before.added + h.between.added + h.inside_after.added
+    return _cost(topo, latency, added, wire)
 
 
 # --8<-- [end:hierarchical]
