@@ -11,8 +11,8 @@ tests/test_tensorboard.py does; every request off loopback is aborted).
   by bar, and a slider moved redraws it.
 - The course's reading path (every page but the appendix): at most 6,000 words, no
   run of the project's history named, and no request that fails with the network
-  blocked; the core path's Next links go page to page along it; every stage page shows its picture before any
-  code and folds the answers of its exercises.
+  blocked; the core path's Next links go page to page along it; every stage page
+  shows its picture before any code and folds the answers of its exercises.
 
 Skips where Chromium or Playwright is missing; in CI (CI set) that is a failure, as in
 the TensorBoard tests.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import itertools
 import os
 import re
 import subprocess
@@ -280,12 +281,12 @@ CORE_PATH = [
     "anatomy/index.html",
     "the-rest/index.html",
 ]
-NEXT_LINK = re.compile(r'<a\b[^>]*\bmd-footer__link--next\b[^>]*>')
+NEXT_LINK = re.compile(r"<a\b[^>]*\bmd-footer__link--next\b[^>]*>")
 HREF = re.compile(r'\bhref="([^"]*)"')
 
 
 def test_next_follows_the_core_path(site: Path) -> None:
-    for here, following in zip(CORE_PATH, CORE_PATH[1:]):
+    for here, following in itertools.pairwise(CORE_PATH):
         link = NEXT_LINK.search((site / here).read_text())
         assert link, f"{here}: no Next link"
         href = HREF.search(link.group(0)).group(1)
