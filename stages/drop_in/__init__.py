@@ -179,8 +179,8 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if synced and self._stats.forward_started():
-            self._stats.record.update(layout_record(self))
+        if synced:
+            self._log_forward()
         if self.mixed_precision is not None:  # after a no_sync() backward: still low
             self._to_full_precision()
         with self._inside_ddp_forward():
@@ -193,6 +193,20 @@ class DistributedDataParallel(AutoBucketDDP):
             if self.static_graph:
                 output = self._sink(output)
         return output
+
+    # torch.compile, where a framework compiles the wrapper itself (accelerate does when
+    # asked): what runs around the module (the runtime stats, the collectives and bucket
+    # rebuilds before a synchronised forward) runs eagerly, one call each, as torch's
+    # C++ logger and reducer do, so the graph breaks there and not in each of their lines.
+    @torch._dynamo.disable
+    def _log_forward(self) -> None:
+        """The runtime stats at a synchronised forward (torch's logger call)."""
+        if self._stats.forward_started():
+            self._stats.record.update(layout_record(self))
+
+    @torch._dynamo.disable
+    def _before_synced_forward(self) -> None:
+        super()._before_synced_forward()
 
     def _forward_before_sync(self) -> None:
         # As torch's DDP: a forward whose output never reached backward (an evaluation
@@ -212,6 +226,7 @@ class DistributedDataParallel(AutoBucketDDP):
                 tensor._ddp_ignored = True
 
     @contextmanager
+    @torch._disable_dynamo(recursive=False)  # as torch's: it sets a class attribute
     def _inside_ddp_forward(self) -> Iterator[None]:
         """torch.compile's DDP optimizer asks torch's class for the DDP module whose
         forward runs (`_get_active_ddp_module`) and cuts the compiled graph where that
