@@ -8,11 +8,19 @@ as it does between real machines instead of copying through loopback memory.
     python -m profiling.cluster down
 
 `run` starts one torchrun node per namespace (`--nnodes N --node-rank k
---nproc-per-node 1`), everything after `--` being torchrun's script and its arguments,
+--nproc-per-node R`), everything after `--` being torchrun's script and its arguments,
 waits for all, and exits nonzero if any failed. From Python, and in tests:
 
     with VirtualCluster(ranks=2, rate="1gbit") as cluster:
         cluster.run(["-m", "stages.bucketed", "--steps", "3"])
+
+Nodes of several ranks, as servers of several GPUs: `up --nodes N --ranks-per-node R`
+(`VirtualCluster(nodes=N, ranks_per_node=R)`) puts R ranks in each node's namespace,
+node k holding ranks kR..kR+R-1. They talk to each other over the namespace's loopback,
+unshaped, as a server's GPUs over NVLink; only traffic between nodes crosses a shaped
+link. `--ranks` is the world size, N x R; with the default R = 1, one rank per node.
+
+    python -m profiling.cluster hierarchical   # flat ring vs three phases, 2 nodes x 2
 
 `cluster.set_link(k, up=False)` takes node k's link down while something runs (a pulled
 cable: tests/test_cluster.py checks that the rank cut off is named within --timeout).
@@ -30,7 +38,7 @@ so every rank sends and receives at RATE at most, full duplex, as on a switch.
 What it cannot do: add latency, which takes the netem qdisc, missing from the kernel
 this was developed on; the round-trip stays at microseconds, and only bandwidth is
 real. The nodes also still share this machine's CPU cores; `run` gives each rank
-cores // ranks threads.
+cores // ranks threads (ranks: all of them, every node's).
 
 Namespaces outlive the processes that made them. `up` records what it creates in a
 state file under /run/ddp-stages-cluster (next to /run/netns, so both vanish on reboot)
@@ -42,5 +50,6 @@ machine: its record names a process that no longer runs (pid and start time).
 The package: `network` (rates, what this machine can do, the namespaces and shaped links
 set up and torn down), `virtual_cluster` (`VirtualCluster`), `nodes` (one torchrun per
 namespace, started, waited for and stopped), `signals`, `probe` (the bandwidth probe)
-and `cli` (the command line).
+`hierarchical` (the flat ring against the three-phase all-reduce, bytes and time, measured
+and modelled) and `cli` (the command line).
 """

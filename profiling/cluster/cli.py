@@ -1,5 +1,5 @@
-"""The command line: up, run, probe, down, status (and probe-worker, which `probe` runs
-on every node)."""
+"""The command line: up, run, probe, down, status, hierarchical (and probe-worker and
+hierarchical-worker, which `probe` and `hierarchical` run on every node)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import argparse
 import sys
 
 import profiling.cluster
+from profiling.cluster.hierarchical import (
+    ALGORITHMS,
+    ELEMENT_BYTES,
+    hierarchical_worker,
+    measure,
+)
 from profiling.cluster.network import (
     LATENCY,
     _namespaces,
@@ -46,6 +52,24 @@ def _rate_arg(text: str) -> str:
     return text
 
 
+def _check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`up`'s sizes, refused by the option's name before anything is created."""
+    r = args.ranks_per_node
+    if r < 1:
+        parser.error(f"--ranks-per-node {r}: each node holds at least 1 rank")
+    if args.nodes is not None and not 1 <= args.nodes <= 200:
+        parser.error(f"--nodes {args.nodes}: give 1 to 200 (one address each in a /24)")
+    if args.ranks is not None:
+        if args.ranks < 1 or args.ranks % r:
+            parser.error(f"--ranks {args.ranks}: the world size must be a positive "
+                         f"multiple of --ranks-per-node {r}")  # fmt: skip
+        if args.nodes is not None and args.ranks != args.nodes * r:
+            parser.error(f"--ranks {args.ranks} is not --nodes {args.nodes} x "
+                         f"--ranks-per-node {r}: give one of --ranks and --nodes")  # fmt: skip
+    elif args.nodes is None:
+        args.nodes = 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Everything after `--` is torchrun's, untouched by our parser.
@@ -61,12 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "up", formatter_class=defaults, help="create the namespaces, bridge and shaped links"
     )
-    p.add_argument("--ranks", type=int, default=2, help="nodes (one rank each)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help="namespaces, each a server behind its shaped link; 2 if no --ranks",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks sharing each node's namespace, unshaped between them (a server's GPUs)",
+    )
+    p.add_argument(
+        "--ranks", type=int, help="the world size, instead of --nodes: nodes x --ranks-per-node"
+    )
     p.add_argument("--rate", default="1gbit", type=_rate_arg, help="each link's rate, each way")
     p = sub.add_parser(
         "run",
         formatter_class=defaults,
-        help="one torchrun node per namespace: run ... -- <torchrun args>",
+        help="one torchrun per node (--nproc-per-node R): run ... -- <torchrun args>",
     )
     p.add_argument("--id", help="which cluster (default: the one `up` made)")
     p.add_argument("--timeout", type=float, help="seconds before every node is killed")
@@ -89,6 +126,26 @@ def main(argv: list[str] | None = None) -> int:
         help="list the clusters recorded, and whether they are there",
     )
     p = sub.add_parser(
+        "hierarchical",
+        formatter_class=defaults,
+        help="on a cluster of its own: the flat ring against the three-phase all-reduce, "
+        "bytes between nodes and time, measured and modelled",
+    )
+    p.add_argument("--nodes", type=int, default=2, help="namespaces behind the shaped links")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks sharing each node")
+    p.add_argument("--rate", default="1gbit", type=_rate_arg, help="each link's rate, each way")
+    p.add_argument("--mebibytes", type=float, default=16.0, help="the buffer, MiB of float32")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per algorithm")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="any of these")
+    p = sub.add_parser(
+        "hierarchical-worker",
+        formatter_class=defaults,
+        help="(internal) what `hierarchical` runs under torchrun",
+    )
+    p.add_argument("--bytes", type=int, required=True, help="the buffer, bytes")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per algorithm")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="any of these")
+    p = sub.add_parser(
         "probe-worker", formatter_class=defaults, help="(internal) what `probe` runs under torchrun"
     )
     p.add_argument("--megabytes", type=float, default=25.0, help="tensor size, MB")
@@ -96,7 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if rest and args.command != "run":
         parser.error("`--` and torchrun arguments go with `run` only")
+    if args.command == "up":
+        _check_up_args(parser, args)
 
+    if args.command in ("hierarchical", "hierarchical-worker"):
+        args.algorithms = args.algorithms.split(",")
+        unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
+        if unknown:
+            parser.error(f"--algorithms: {', '.join(unknown)} not among {', '.join(ALGORITHMS)}")
+        if args.repeats < 1:
+            parser.error(f"--repeats {args.repeats}: time at least 1 call")
+    if args.command == "hierarchical":
+        if args.nodes < 2 or args.ranks_per_node < 1:
+            parser.error(f"--nodes {args.nodes} --ranks-per-node {args.ranks_per_node}: "
+                         "give at least 2 nodes of at least 1 rank")  # fmt: skip
+        # Whole float32 elements, as many per rank: the ring splits them without padding,
+        # so its bytes are the model's to the byte.
+        quantum = ELEMENT_BYTES * args.nodes * args.ranks_per_node
+        size_bytes = int(args.mebibytes * 2**20) // quantum * quantum
+        if size_bytes == 0:
+            parser.error(f"--mebibytes {args.mebibytes}: too small to split over the ranks")
+    if args.command == "hierarchical-worker":
+        hierarchical_worker(args.bytes, args.repeats, args.algorithms)
+        return 0
     if args.command == "probe-worker":
         probe_worker(args.megabytes, args.iterations)
         return 0
@@ -105,20 +184,32 @@ def main(argv: list[str] | None = None) -> int:
         for c in recorded_clusters():
             there = sum(ns in present for ns in c.all_namespaces)
             owner = "until `down`" if c.owner_pid is None else f"owner pid {c.owner_pid}"
-            print(f"{c.id}: {c.ranks} ranks at {c.rate}, {owner}, "
+            size = f"{c.ranks} ranks" if c.ranks_per_node == 1 else (
+                f"{c.nodes} nodes x {c.ranks_per_node} ranks")  # fmt: skip
+            print(f"{c.id}: {size} at {c.rate}, {owner}, "
                   f"{there}/{len(c.all_namespaces)} namespaces present")  # fmt: skip
         return 0
     ok, why = available()
     if not ok:
         print(f"profiling.cluster: {why}", file=sys.stderr)
         return 2
+    if args.command == "hierarchical":
+        print(measure(args.nodes, args.ranks_per_node, args.rate, size_bytes, args.repeats,
+                      args.algorithms))  # fmt: skip
+        return 0
     if args.command == "up":
-        cluster = VirtualCluster(args.ranks, args.rate, persistent=True)
+        cluster = VirtualCluster(
+            args.ranks, args.rate, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+            persistent=True,
+        )  # fmt: skip
         s = cluster.up()
-        print(f"cluster {s.id}: {s.ranks} nodes at {s.rate} each way "
-              f"(tbf burst {s.burst_bytes} bytes, latency {LATENCY})")  # fmt: skip
-        for ns, address in zip(s.namespaces, s.addresses, strict=True):
-            print(f"  {ns}  {s.ifname} {address}")
+        r = s.ranks_per_node
+        each = "" if r == 1 else f", {r} ranks each (unshaped between them)"
+        print(f"cluster {s.id}: {s.nodes} nodes at {s.rate} each way "
+              f"(tbf burst {s.burst_bytes} bytes, latency {LATENCY}){each}")  # fmt: skip
+        for k, (ns, address) in enumerate(zip(s.namespaces, s.addresses, strict=True)):
+            ranks = "" if r == 1 else f"  ranks {k * r}-{k * r + r - 1}"
+            print(f"  {ns}  {s.ifname} {address}{ranks}")
         print("next: python -m profiling.cluster run -- -m stages.bucketed --model mlp")
         return 0
     if args.command == "down":

@@ -109,7 +109,7 @@ class ClusterState:
     """What `up` created: exactly what `down` removes."""
 
     id: str
-    ranks: int
+    ranks: int  # the world size: nodes x ranks_per_node
     rate: str  # as given, e.g. "1gbit"
     rate_bits: int  # bits per second, each direction of each link
     burst_bytes: int
@@ -122,6 +122,13 @@ class ClusterState:
     # When the owner started (/proc/<pid>/stat, clock ticks since boot): a later process
     # that reuses its pid is not its owner. None in records written before it was kept.
     owner_started: int | None = None
+    # Ranks sharing each node's namespace. Records written before nodes could hold
+    # several ranks have one per node, as this default says.
+    ranks_per_node: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return len(self.namespaces)
 
     @property
     def path(self) -> Path:

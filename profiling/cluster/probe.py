@@ -50,7 +50,11 @@ def expected_allreduce_MBps(rate_bits: int, ranks: int) -> float:
     2(N-1)/N * S bytes (reduce-scatter, then all-gather). Links are full duplex and
     every rank's link runs at the shaped rate R, so one all-reduce takes
     2(N-1)/N * S / R, and S / time = R * N / (2(N-1)): for 2 ranks, the link rate
-    itself (125 MB/s at 1gbit). TCP/IP and Ethernet headers take about 4% of it."""
+    itself (125 MB/s at 1gbit). TCP/IP and Ethernet headers take about 4% of it.
+
+    With several ranks per node the figure holds for N ranks in all: Gloo's ring visits
+    the ranks in order, so one hop leaves each node through its link, carrying what
+    every hop carries, while the hops inside a node run on its loopback, faster."""
     if ranks < 2:
         return float("inf")
     return rate_bits / 8 / 1e6 * ranks / (2 * (ranks - 1))

@@ -32,14 +32,51 @@ from profiling.cluster.signals import _signals_deferred, _signals_raise
 
 
 class VirtualCluster:
-    """N namespaces on a shaped bridge. A context manager: `with` brings it up and
-    always takes it down, on an exception, Ctrl-C or SIGTERM too. What a SIGKILL leaves,
-    the next cluster's `up` removes (or `python -m profiling.cluster down --stale`)."""
+    """N namespaces on a shaped bridge, one per node, each holding `ranks_per_node`
+    ranks. A context manager: `with` brings it up and always takes it down, on an
+    exception, Ctrl-C or SIGTERM too. What a SIGKILL leaves, the next cluster's `up`
+    removes (or `python -m profiling.cluster down --stale`).
 
-    def __init__(self, ranks: int = 2, rate: str = "1gbit", *, persistent: bool = False):
-        if ranks < 1 or ranks > 200:
-            raise ValueError(f"ranks must be 1..200 (one /24), got {ranks}")
-        self.ranks = ranks
+    `ranks` is the world size, `nodes` the namespaces: give either (or both, if they
+    agree); with the default of one rank per node they are the same number, so
+    `VirtualCluster(ranks=4)` is four nodes of one rank, and
+    `VirtualCluster(nodes=2, ranks_per_node=2)` two nodes of two."""
+
+    def __init__(
+        self,
+        ranks: int | None = None,
+        rate: str = "1gbit",
+        *,
+        nodes: int | None = None,
+        ranks_per_node: int = 1,
+        persistent: bool = False,
+    ):
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+            raise TypeError(f"ranks_per_node must be an int, got {ranks_per_node!r}")
+        if ranks_per_node < 1:
+            raise ValueError(
+                f"ranks_per_node must be >= 1 (ranks in each node), got {ranks_per_node}"
+            )
+        if nodes is None:
+            ranks = 2 if ranks is None else ranks
+            if ranks < 1:
+                raise ValueError(f"ranks must be >= 1 (the world size), got {ranks}")
+            if ranks % ranks_per_node:
+                raise ValueError(
+                    f"ranks={ranks} does not split into nodes of ranks_per_node={ranks_per_node}; "
+                    "give a multiple of it, or nodes= instead"
+                )
+            nodes = ranks // ranks_per_node
+        elif ranks is not None and ranks != nodes * ranks_per_node:
+            raise ValueError(
+                f"ranks={ranks} is not nodes={nodes} x ranks_per_node={ranks_per_node}; "
+                "give nodes= or ranks=, not both"
+            )
+        if nodes < 1 or nodes > 200:
+            raise ValueError(f"nodes must be 1..200 (one address each in a /24), got {nodes}")
+        self.nodes = nodes  # namespaces, each a server
+        self.ranks_per_node = ranks_per_node  # ranks sharing a namespace: its GPUs
+        self.ranks = nodes * ranks_per_node  # the world size
         self.rate = rate
         self.rate_bits = parse_rate(rate)
         self.persistent = persistent  # the CLI's `up`: no owner process, lives until `down`
@@ -48,7 +85,10 @@ class VirtualCluster:
     @classmethod
     def attach(cls, state: ClusterState) -> VirtualCluster:
         """A handle on a cluster that is already up (e.g. made by the CLI's `up`)."""
-        cluster = cls(state.ranks, state.rate, persistent=state.owner_pid is None)
+        cluster = cls(
+            nodes=state.nodes, rate=state.rate, ranks_per_node=state.ranks_per_node,
+            persistent=state.owner_pid is None,
+        )  # fmt: skip
         cluster.state = state
         return cluster
 
@@ -69,12 +109,13 @@ class VirtualCluster:
         self.state = state = ClusterState(
             id=cid,
             ranks=self.ranks,
+            ranks_per_node=self.ranks_per_node,
             rate=self.rate,
             rate_bits=self.rate_bits,
             burst_bytes=tbf_burst_bytes(self.rate_bits),
             bridge_namespace=f"{base}-br",
-            namespaces=[f"{base}-r{k}" for k in range(self.ranks)],
-            addresses=[f"{SUBNET}.{k + 1}" for k in range(self.ranks)],
+            namespaces=[f"{base}-r{k}" for k in range(self.nodes)],
+            addresses=[f"{SUBNET}.{k + 1}" for k in range(self.nodes)],
             ifname=IFNAME,
             owner_pid=None if self.persistent else os.getpid(),
             owner_started=None if self.persistent else process_started(os.getpid()),
@@ -121,13 +162,17 @@ class VirtualCluster:
     # - running things inside -
 
     def node_commands(self, args: list[str]) -> list[list[str]]:
-        """One torchrun node per namespace; `args` is what follows torchrun's options
-        (`-m stages.bucketed --steps 3`, or `script.py ...`)."""
+        """One torchrun node per namespace, starting `ranks_per_node` ranks there; `args`
+        is what follows torchrun's options (`-m stages.bucketed --steps 3`, or
+        `script.py ...`). Node k's ranks are k*R .. k*R+R-1 (torchrun's static
+        rendezvous numbers them so), the consecutive ranks ddp.collectives'
+        `ranks_per_node` takes for a node."""
         s = self._require_up()
         commands = []
         for k, ns in enumerate(s.namespaces):
             torchrun = [sys.executable, "-m", "torch.distributed.run",
-                        "--nnodes", str(s.ranks), "--node-rank", str(k), "--nproc-per-node", "1",
+                        "--nnodes", str(s.nodes), "--node-rank", str(k),
+                        "--nproc-per-node", str(s.ranks_per_node),
                         "--master-addr", s.addresses[0], "--master-port", str(MASTER_PORT),
                         ]  # fmt: skip
             commands.append([_tool("ip"), "netns", "exec", ns, *torchrun, *args])
@@ -135,11 +180,14 @@ class VirtualCluster:
 
     def node_env(self) -> dict[str, str]:
         s = self._require_up()
-        # Each "node" is a whole machine on a real cluster; here they share the cores.
+        # Each "node" is a whole machine on a real cluster; here all ranks share the cores.
         threads = max(1, len(os.sched_getaffinity(0)) // s.ranks)
         return {
             **os.environ,
-            "GLOO_SOCKET_IFNAME": s.ifname,  # Gloo's traffic over the shaped link
+            # Gloo binds to the node's address on the shaped link. Between ranks of one
+            # node that address is local, so the kernel carries their traffic over the
+            # namespace's loopback, past the link's tbf: unshaped, as inside a server.
+            "GLOO_SOCKET_IFNAME": s.ifname,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
         }
 
