@@ -3,6 +3,8 @@ by hand (the page's JavaScript is checked against it in tests/test_docs_site.py)
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from profiling.course import anatomy
@@ -62,3 +64,56 @@ def test_the_figure_redraws_from_the_page_data_legibly(tmp_path, monkeypatch):
     sizes = record_font_sizes(monkeypatch)
     anatomy.main(["--from-page", "--out", str(tmp_path)])
     assert_legible(tmp_path / "bucket-curve.png", sizes)
+
+
+def test_question_5s_answer_is_the_models_and_on_the_slider():
+    """The page's question 5 (skip_sync from the page's settings: the 14-gradient MLP,
+    1 Gbit/s, no latency, 25 MiB): the first k whose time per micro-batch is under 1.2x
+    compute alone, its time and ratio, as the model computes them from the page's data,
+    and a k the micro-batch slider reaches."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "anatomy.md").read_text()
+    model = anatomy.read_page_data(docs / "js/anatomy-workload.js")["models"]["mlp_2048x7"]
+    workload, buckets = anatomy.from_json(model), model["layouts"]["25"]
+
+    def reading(k: int) -> tuple[int, str]:  # ms per micro-batch, x compute alone
+        s = anatomy.step(workload, buckets, "skip_sync", 1.0, 0.0, k)
+        return round(s.step_s / k * 1e3), f"{s.step_s / s.compute_s:.2f}"
+
+    question = page[page.index("**Question 5.**") : page.index("## How the page")]
+    assert "under 1.2× compute alone" in question
+    first = next(k for k in range(1, 1000) if float(reading(k)[1]) < 1.2)
+    found = re.search(
+        r"k = (\d+), at (\d+) ms per micro-batch \((\d\.\d\d)×\); "
+        r"k = (\d+) gives (\d+) ms \((\d\.\d\d)×\)", " ".join(question.split())
+    )  # fmt: skip
+    assert found, "question 5's answer no longer reads 'k = N, at T ms per micro-batch (R×)'"
+    k, ms, ratio, other, other_ms, other_ratio = found.groups()
+    assert int(k) == first and (int(ms), ratio) == reading(first)
+    assert (int(other_ms), other_ratio) == reading(int(other))
+    slider = re.search(r'name="micro" min="1" max="(\d+)"', page)
+    assert slider and first <= int(slider.group(1)), "the micro-batch slider stops short of k"
+
+
+def test_every_cap_position_changes_the_layout():
+    """The cap slider (one parameter per bucket, then the model's cap groups) never shows
+    one layout twice; on the page it opens on the course's MLP at 25 MiB."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    data = anatomy.read_page_data(docs / "js/anatomy-workload.js")
+    for name, model in data["models"].items():
+        shown = ["per_parameter", *(g["layout"] for g in model["cap_groups"])]
+        layouts = [model["layouts"][key] for key in shown]
+        assert all(a != b for a, b in itertools.pairwise(layouts)), name
+        caps = [cap for g in model["cap_groups"] for cap in g["caps_mb"]]
+        assert caps == data["caps_mb"] == list(anatomy.CAPS_MB), name
+    html = re.search(r'name="cap" min="0" max="(\d+)" value="(\d+)"', docs.joinpath(
+        "anatomy.md").read_text())  # fmt: skip
+    groups = data["models"]["mlp_2048x7"]["cap_groups"]
+    assert html and int(html.group(1)) == len(groups)
+    assert groups[int(html.group(2)) - 1]["layout"] == "25"

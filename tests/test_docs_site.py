@@ -183,10 +183,10 @@ ANATOMY_GRID = [
     (model, stage, layout, gbit_s, latency_s, micro)
     for model in ("mlp_2048x7", "mlp_1024x24")
     for stage in ("naive", "bucketed", "overlapped", "skip_sync")
-    for layout in ("per_parameter", "1", "25", "100")
+    for layout in ("per_parameter", "1", "25", "40", "100")
     for gbit_s in (0.1, 1.0, 10.0, 100.0)
-    for latency_s in (0.0, 0.5e-3, 2e-3)
-    for micro in (1, 3)
+    for latency_s in (0.0, 5e-6, 0.5e-3, 2e-3)
+    for micro in (1, 3, 20)
 ]
 
 
@@ -227,10 +227,49 @@ def test_anatomy_page_redraws_when_a_slider_moves(page, served: str) -> None:
     assert summary.inner_text() != before
     assert page.locator(".anatomy svg").inner_html() != drawn
     assert "10 Gbit/s" in page.locator(".anatomy [data-out=bandwidth]").inner_text()
-    page.locator("#anatomy-cap").fill("9")  # one bucket
+    cap = page.locator("#anatomy-cap")
+    cap.fill(cap.get_attribute("max"))  # the last position: one bucket
     assert bars.count() == 1
     page.locator("#anatomy-stage").select_option("naive")  # one all-reduce per parameter
     assert bars.count() == 14 and page.locator("#anatomy-cap").is_disabled()
+
+
+def test_anatomy_page_reads_off_its_sliders(page, served: str) -> None:
+    """What the questions ask can be set and read: latency in microseconds, question 5's
+    k = 20 on the micro-batch slider with the time per micro-batch and its ratio to
+    compute alone (as profiling/course/anatomy.py computes them), a new layout at every
+    cap, and the time axis inside the drawing."""
+    from profiling.course import anatomy
+
+    page.goto(served + "anatomy/", wait_until="load")
+    summary = page.locator(".anatomy [data-out=summary]")
+    page.locator("#anatomy-latency").fill("3")
+    assert page.locator(".anatomy [data-out=latency]").inner_text() == "5 µs"
+    page.locator("#anatomy-latency").fill("0")
+    page.locator("#anatomy-stage").select_option("skip_sync")
+    page.locator("#anatomy-micro").fill("20")
+    data = anatomy.read_page_data(ROOT / "docs/js/anatomy-workload.js")
+    model = data["models"]["mlp_2048x7"]
+    s = anatomy.step(anatomy.from_json(model), model["layouts"]["25"], "skip_sync", 1.0, 0.0, 20)
+    per_micro_batch = f"{s.step_s / 20 * 1e3:,.0f} ms per micro-batch"
+    ratio = f"{s.step_s / s.compute_s:.2f}x compute alone"
+    assert per_micro_batch in summary.inner_text() and ratio in summary.inner_text()
+    cap, out = page.locator("#anatomy-cap"), page.locator(".anatomy [data-out=cap]")
+    for name in ("mlp_2048x7", "mlp_1024x24"):
+        page.locator("#anatomy-model").select_option(name)
+        shown = []
+        for position in range(int(cap.get_attribute("max")) + 1):
+            cap.fill(str(position))
+            shown.append(out.inner_text())
+        counts = [text[text.rindex("(") :] for text in shown]
+        assert all(a != b for a, b in itertools.pairwise(counts)), (name, shown)
+    box = page.evaluate(
+        "() => { const svg = document.querySelector('.anatomy svg'); const view ="
+        " svg.viewBox.baseVal; return [...svg.querySelectorAll('text')].every(t =>"
+        " { const b = t.getBBox(); return b.x >= view.x && b.x + b.width <= view.width"
+        " + 0.5; }); }"
+    )
+    assert box, "a label of the drawing runs past its edge"
 
 
 # The course's reading path: every page but the appendix (run histories) and the

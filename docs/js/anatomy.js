@@ -101,8 +101,23 @@
     return Math.pow(10, -1 + (3 * position) / 30); // 0.1 .. 100 Gbit/s, log steps
   }
 
-  function layoutOf(position) {
-    return position === 0 ? "per_parameter" : String(data.caps_mb[position - 1]);
+  // Latency per message, µs: 1-2-5 steps from a microsecond (one rack) to 2 ms.
+  const LATENCY_US = [0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000];
+
+  function latencyLabel(us) {
+    return us === 0 ? "none" : us < 1000 ? us + " µs" : us / 1000 + " ms";
+  }
+
+  // The cap slider: one parameter per bucket, then each of the model's cap groups (caps
+  // that give one layout), so that every position changes the layout.
+  function capPosition(m, capMb) {
+    if (capMb === "per_parameter") return 0;
+    return 1 + m.cap_groups.findIndex((g) => g.caps_mb.includes(Number(capMb)));
+  }
+
+  function capLabelOf(group) {
+    const caps = group.caps_mb;
+    return caps.length === 1 ? caps[0] + " MiB" : caps[0] + "–" + caps[caps.length - 1] + " MiB";
   }
 
   function ms(seconds) {
@@ -112,23 +127,33 @@
   function draw(root) {
     const q = (name) => root.querySelector("[name=" + name + "]");
     const stage = q("stage").value;
+    const name = q("model").value;
+    const m = data.models[name];
+    const cap = q("cap");
+    if (root.dataset.model !== name) { // another model: its caps, at the same cap where it can
+      cap.max = String(m.cap_groups.length);
+      if (root.dataset.model) cap.value = String(Math.max(0, capPosition(m, root.dataset.cap)));
+      root.dataset.model = name;
+    }
+    const group = Number(cap.value) === 0 ? null : m.cap_groups[Number(cap.value) - 1];
+    const layout = group ? group.layout : "per_parameter";
+    root.dataset.cap = layout;
     const gbit = gbitOf(Number(q("bandwidth").value));
-    const latency = Number(q("latency").value) / 1e3;
-    const layout = layoutOf(Number(q("cap").value));
+    const latencyUs = LATENCY_US[Number(q("latency").value)];
     const micro = Number(q("micro").value);
-    const s = step(q("model").value, stage, layout, gbit, latency, micro);
+    const s = step(name, stage, layout, gbit, latencyUs / 1e6, micro);
     const capLabel = stage === "naive" ? "naive: one all-reduce per parameter"
-      : layout === "per_parameter" ? "one parameter per bucket"
-      : layout + " MiB";
-    q("cap").disabled = stage === "naive";
+      : group ? capLabelOf(group) : "one parameter per bucket";
+    cap.disabled = stage === "naive";
     root.querySelector("[data-out=bandwidth]").textContent = gbit.toPrecision(2) + " Gbit/s";
-    root.querySelector("[data-out=latency]").textContent = (latency * 1e3).toFixed(2) + " ms";
+    root.querySelector("[data-out=latency]").textContent = latencyLabel(latencyUs);
     root.querySelector("[data-out=cap]").textContent = capLabel + " (" + s.buckets + " all-reduces)";
     root.querySelector("[data-out=micro]").textContent = String(micro);
     root.querySelector("[data-out=summary]").textContent =
-      "step " + ms(s.step_s) + " ms, " + (s.step_s / s.bound_s).toFixed(2) + "x the bound (" +
-      ms(s.bound_s) + " ms). Compute alone " + ms(s.compute_s) + " ms; one synchronisation's " +
-      "all-reduces back to back " + ms(s.comm_s) + " ms.";
+      "step " + ms(s.step_s) + " ms, " + ms(s.step_s / micro) + " ms per micro-batch: " +
+      (s.step_s / s.compute_s).toFixed(2) + "x compute alone (" + ms(s.compute_s) + " ms), " +
+      (s.step_s / s.bound_s).toFixed(2) + "x the bound (" + ms(s.bound_s) + " ms). " +
+      "One synchronisation's all-reduces back to back: " + ms(s.comm_s) + " ms.";
 
     const svg = root.querySelector("svg");
     while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -153,10 +178,10 @@
       svg.appendChild(el("text", { x: x(t) - 2, y: name === "bound" ? 98 : 112, "font-size": 12,
         "text-anchor": "end", fill: colour }, name + " " + ms(t) + " ms"));
     });
-    for (let i = 0; i <= 4; i++) { // a time axis in ms
+    for (let i = 0; i <= 4; i++) { // a time axis in ms; the last label ends at the edge
       const t = (span * i) / 4;
-      svg.appendChild(el("text", { x: x(t), y: 128, "font-size": 11, "text-anchor": "middle",
-        fill: "#666" }, ms(t) + (i === 4 ? " ms" : "")));
+      svg.appendChild(el("text", { x: x(t), y: 128, "font-size": 11,
+        "text-anchor": i === 4 ? "end" : "middle", fill: "#666" }, ms(t) + (i === 4 ? " ms" : "")));
     }
   }
 

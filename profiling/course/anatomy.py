@@ -3,6 +3,8 @@
     python -m profiling.course.anatomy             # under runs/anatomy
     python -m profiling.course.anatomy --docs      # the docs' own: docs/js/anatomy-workload.js
                                             # and docs/images/bucket-curve.png
+    python -m profiling.course.anatomy --docs --from-page   # the same from the compute
+                                            # measured there, its layouts laid out again
 
 The page draws one optimizer step of naive, bucketed, overlapped or skip_sync on two
 ranks, for either of two MLPs and any bandwidth, per-message latency, `bucket_cap_mb`
@@ -58,10 +60,12 @@ MODELS = {
 }
 CURVE_MODEL = "mlp_1024x24"
 RANKS = 2
-# The slider's caps, MiB: the automatic stage's candidates (`CANDIDATES_MB`) up to one
-# bucket for either MLP (96 MiB of gradients at most): below 16 MiB, every weight of the
-# course's MLP is a bucket of its own.
-CAPS_MB = tuple(cap for cap in CANDIDATES_MB if cap <= 100.0)
+# The caps laid out, MiB: the automatic stage's candidates (`CANDIDATES_MB`) up to one
+# bucket for either MLP (96 MiB of gradients at most), and 16 and 40, around where the
+# course's MLP changes layout: up to 16 MiB each 16 MiB weight and each bias is a bucket
+# of its own (12), from 17 MiB a weight takes a bias along (6), from 33 MiB two weights
+# share a bucket (3), from 49 MiB three (2).
+CAPS_MB = tuple(sorted({cap for cap in CANDIDATES_MB if cap <= 100.0} | {16.0, 40.0}))
 STAGES = ("naive", "bucketed", "overlapped", "skip_sync")
 
 
@@ -137,6 +141,19 @@ def bound_s(
 # --8<-- [end:step]
 
 
+def cap_groups(layout_at: dict[str, list[list[int]]]) -> list[dict]:
+    """The cap slider's positions after one parameter per bucket: CAPS_MB cut into runs of
+    caps that give the same layout, so that every position changes it. Each names its
+    layout (its first cap's) and the caps it stands for."""
+    groups: list[dict] = []
+    for cap in CAPS_MB:
+        if groups and layout_at[groups[-1]["layout"]] == layout_at[f"{cap:g}"]:
+            groups[-1]["caps_mb"].append(cap)
+        else:
+            groups.append({"layout": f"{cap:g}", "caps_mb": [cap]})
+    return groups
+
+
 def to_json(workloads: dict[str, Workload]) -> dict:
     return {
         "ranks": RANKS,
@@ -146,6 +163,7 @@ def to_json(workloads: dict[str, Workload]) -> dict:
 
 
 def model_json(model: dict, workload: Workload) -> dict:
+    layout_at = layouts(workload)
     return {
         "model": model,
         "grads": [
@@ -154,7 +172,8 @@ def model_json(model: dict, workload: Workload) -> dict:
         "forward_s": workload.forward_s,
         "backward_s": workload.backward_s,
         "optimizer_s": workload.optimizer_s,
-        "layouts": layouts(workload),
+        "layouts": layout_at,
+        "cap_groups": cap_groups(layout_at),
     }
 
 
@@ -217,25 +236,28 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--from-page", action="store_true",
-        help="measure nothing: draw the figure from the docs' page data",
+        help="measure nothing: take the compute measured in the docs' page data, and lay "
+        "out its buckets again (with --docs, rewriting the page data in place)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     docs = repository_docs() if args.docs or args.from_page else None
     scripts, images = (docs / "js", docs / "images") if args.docs else (args.out, args.out)
     if args.from_page:
-        data = read_page_data(docs / "js" / "anatomy-workload.js")
+        page = read_page_data(docs / "js" / "anatomy-workload.js")["models"]
+        workloads = {name: from_json(page[name]) for name in MODELS}
     else:
         print("measuring the MLPs' compute on one process ...", file=sys.stderr, flush=True)
         steady_heap()  # as the benchmark's ranks hold the heap
-        data = to_json({name: measure_workload(Config(**m), RANKS) for name, m in MODELS.items()})
-        scripts.mkdir(parents=True, exist_ok=True)
-        script = scripts / "anatomy-workload.js"
-        script.write_text(
-            "// Written by python -m profiling.course.anatomy --docs: two MLPs' measured compute\n"
-            "// and the stages' bucket layouts, for docs/js/anatomy.js.\n"
-            f"window.ANATOMY = {json.dumps(data, separators=(',', ':'))};\n"
-        )
-        print(f"wrote {script}")
+        workloads = {name: measure_workload(Config(**m), RANKS) for name, m in MODELS.items()}
+    data = to_json(workloads)
+    scripts.mkdir(parents=True, exist_ok=True)
+    script = scripts / "anatomy-workload.js"
+    script.write_text(
+        "// Written by python -m profiling.course.anatomy --docs: two MLPs' measured compute\n"
+        "// and the stages' bucket layouts, for docs/js/anatomy.js.\n"
+        f"window.ANATOMY = {json.dumps(data, separators=(',', ':'))};\n"
+    )
+    print(f"wrote {script}")
     images.mkdir(parents=True, exist_ok=True)
     curve = images / "bucket-curve.png"
     model = data["models"][CURVE_MODEL]

@@ -26,19 +26,20 @@ Held = list[list[frozenset[int]]]  # held[rank][chunk]: the ranks summed into it
 
 def ring_steps(p: int) -> list[tuple[str, list[int], Held]]:
     """(label, the chunk each rank sends, what every rank holds after the step), for the
-    2(p - 1) steps of the ring on p ranks, after the start (nothing sent)."""
+    2(p - 1) steps of the ring on p ranks, after the start (nothing sent). Each phase
+    numbers its steps from 0, as `_ring`'s loops and the all_reduce page's table do."""
     held: Held = [[frozenset({r}) for _ in range(p)] for r in range(p)]
     steps: list[tuple[str, list[int], Held]] = [("start", [], held)]
     for s in range(p - 1):  # reduce-scatter: the right neighbour adds what arrives
         sent = [(r - s) % p for r in range(p)]
         held = [[held[r][c] | (held[(r - 1) % p][c] if c == sent[(r - 1) % p] else frozenset())
                  for c in range(p)] for r in range(p)]  # fmt: skip
-        steps.append((f"reduce-scatter {s + 1}", sent, held))
+        steps.append((f"reduce-scatter {s}", sent, held))
     for s in range(p - 1):  # all-gather: the right neighbour takes what arrives
         sent = [(r + 1 - s) % p for r in range(p)]
         held = [[held[(r - 1) % p][c] if c == sent[(r - 1) % p] else held[r][c]
                  for c in range(p)] for r in range(p)]  # fmt: skip
-        steps.append((f"all-gather {s + 1}", sent, held))
+        steps.append((f"all-gather {s}", sent, held))
     return steps
 
 
