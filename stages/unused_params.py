@@ -48,15 +48,13 @@ class UnusedParamsDDP(MissingGradsDDP):
     # and the status then travels in an all-reduce of its own.
     status_columns = (*MissingGradsDDP.status_columns, "problems")
     error_columns = (*MissingGradsDDP.error_columns, "problems")
-    # A problem is an error on every rank; with find_unused_parameters, a missing
-    # gradient is not.
+    # A problem is an error on every rank (with find_unused_parameters, a missing
+    # gradient is not: the row counts none, below).
     raising_columns = (*MissingGradsDDP.raising_columns, "problems")
 
     def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False, **options):
         super().__init__(module, **options)
         self.find_unused_parameters = find_unused_parameters
-        if find_unused_parameters:  # forward may skip parameters: none is missing
-            self.raising_columns = ("problems",)
         self._globally_used = [1] * len(self.named_trainable)  # per position: used anywhere
         self._problems: list[str] = []  # found in this backward, raised on every rank
         self._used: set[int] = set()  # positions this rank produced since the last sync
@@ -133,7 +131,7 @@ class UnusedParamsDDP(MissingGradsDDP):
         self._problems = self._problems_in(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status
-        if self._problems:  # noted after the status left in the last bucket: see below
+        if self._problems:  # noted after the status left in the last bucket: see above
             raise RuntimeError(
                 f"{type(self).__name__}: bad backward on rank {self.rank}, found after the "
                 f"status had left (the other ranks go on): {'; '.join(self._problems)}"
@@ -182,13 +180,14 @@ class UnusedParamsDDP(MissingGradsDDP):
         return average.clone()
 
     def _status_row(self, arrived: list[int]) -> list[int]:
-        used = []
-        if self.find_unused_parameters:
+        row, used = super()._status_row(arrived), []
+        if self.find_unused_parameters:  # forward may skip parameters: none is missing
+            row[0] = 0
             used = [0] * len(self.named_trainable)
             for k in self._used:
                 used[k] = 1
         problems = len(self._problems_in(arrived))
-        return [*super()._status_row(arrived), problems, *used]
+        return [*row, problems, *used]
 
     def _error_row(self, ready: set[int]) -> Status:
         return {

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # ---------------------------------------------------------------------------------------
 # A model family hypothesis can shape.
@@ -194,3 +195,19 @@ class Bag(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.embedding(tokens).mean(1))
+
+
+class UsedTwice(nn.Module):
+    """A layer used inside a reentrant checkpoint and again outside it: in one backward
+    its gradient comes twice (the outer graph's, then the checkpoint's inner backward's),
+    both before the first layer's, the last to come (without it, the last of all)."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = nn.Linear(3, 3) if first else nn.Identity()
+        self.inner = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.inner, self.first(x).requires_grad_(), use_reentrant=True)
+        return self.out(self.inner(h))

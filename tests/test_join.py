@@ -24,7 +24,7 @@ from tests.against_torch import (
     run_checked,
     tolerance,
 )
-from tests.nets import ONE_BUCKET_MB, Normed
+from tests.nets import ONE_BUCKET_MB, Normed, UsedTwice
 from tests.pool import RankError
 
 
@@ -136,3 +136,32 @@ def test_a_rank_that_left_raises_with_the_others(pool, stage: str) -> None:
         assert error.type_name == "RuntimeError", error.message
         assert "got no gradient" in error.message and "rank 1" in error.message, error.message
         assert "'second.weight'" in error.message and "'second.bias'" in error.message
+
+
+def static_graph_after_a_rank_left_early(rank: int, group: dist.ProcessGroup) -> dict:
+    """static_graph=True: in the first epoch rank 1 has no batch at all, so it shadows the
+    first synchronised step and learns the graph from it; in the second both train."""
+    from stages.drop_in import DistributedDataParallel
+
+    torch.manual_seed(0)
+    wrapped = DistributedDataParallel(UsedTwice(first=True), process_group=group, static_graph=True)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    for batches in ([2, 0], [2, 2]):
+        with wrapped.join():
+            for _ in range(batches[rank]):
+                wrapped(torch.randn(4, 3, generator=data)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return params_of(wrapped.module)
+
+
+def test_static_graph_learned_by_a_rank_that_left_before_the_first_step(pool) -> None:
+    """The rank that shadowed static_graph's first step expects each gradient as often
+    as that step brought it (twice for `inner`, used inside a reentrant checkpoint and
+    outside it), as the rank that trained it does: it
+    trains on without an error, and the replicas stay equal."""
+    runs = pool.run(2, static_graph_after_a_rank_left_early, timeout_s=120)
+    for rank, run in enumerate(runs):
+        assert not isinstance(run, RankError), f"rank {rank}: {run.traceback}"
+    assert_same(runs[1], runs[0], "rank 1 against rank 0", EXACT)

@@ -23,14 +23,13 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from stages.drop_in import DistributedDataParallel as DropIn
 from stages.drop_in.class_swap import TORCH_DDP
 from stages.unused_params import NOTHING_UNUSED
 from tests.adapters import build_wrapper, stages_from
 from tests.against_torch import EXAMPLES, assert_same, grads_of, params_of, run_both
-from tests.nets import BRANCHES, Branchy, TwoHeads, UserNet
+from tests.nets import BRANCHES, Branchy, TwoHeads, UsedTwice, UserNet
 from tests.pool import RankError, free_port
 
 SECONDS = 120  # a hang fails the test after this long instead of blocking CI
@@ -239,20 +238,29 @@ def test_loss_reaches_a_parameter_the_output_does_not(
         check_healthy(2, after)
 
 
-class UsedTwice(nn.Module):
-    """A layer used inside a reentrant checkpoint and again outside it: in one backward
-    its gradient comes twice (the outer graph's, then the checkpoint's inner backward's),
-    both before the first layer's, the last to come (without it, the last of all)."""
+def flag_turned_off(rank: int, group: dist.ProcessGroup, stage: str) -> tuple[str | None, tuple]:
+    torch.manual_seed(1000 * rank)
+    model = Branchy()
+    wrapped = build_wrapper(stage, model, group, find_unused_parameters=True)
+    wrapped.find_unused_parameters = False  # read at every step, as the rest of the stage
 
-    def __init__(self, first: bool):
-        super().__init__()
-        self.first = nn.Linear(3, 3) if first else nn.Identity()
-        self.inner = nn.Linear(3, 3)
-        self.out = nn.Linear(3, 1)
+    def backward() -> None:
+        wrapped(torch.randn(2, 3), (0, 2)).sum().backward()  # branch 1 unused everywhere
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = checkpoint(self.inner, self.first(x).requires_grad_(), use_reentrant=True)
-        return self.out(self.inner(h))
+    return raised_then_healthy(rank, group, stage, wrapped, backward)
+
+
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_the_flag_turned_off_after_construction_counts_missing_gradients(pool, stage: str):
+    """find_unused_parameters is read at every step: turned off after construction, a
+    parameter no rank used is a missing gradient, an error on every rank, not a zero
+    average written into its .grad."""
+    runs = pool.run(2, flag_turned_off, stage, timeout_s=SECONDS)
+    for rank, run in enumerate(runs):
+        assert not isinstance(run, RankError), run.traceback
+        error, after = run
+        assert error is not None and "'branches.1.weight'" in error, f"rank {rank}: {error}"
+        check_healthy(2, after)
 
 
 def gradient_twice(

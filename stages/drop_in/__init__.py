@@ -357,26 +357,29 @@ class DistributedDataParallel(AutoBucketDDP):
         expected = [0] * len(self.named_trainable)
         for k in arrived:
             expected[k] += 1
-        self._learn_static_graph(expected, [min(c, 1) for c in expected])
+        self._learn_static_graph(expected, expected)
 
-    def _learn_static_graph(self, expected: list[int], used: list[int]) -> list[int]:
-        """Which parameters some rank used (one all-reduce, before the first step's
-        buckets; returned, 1 or 0 per position), and what the steps after it expect."""
-        summed = torch.tensor(used, dtype=torch.int64, device=self._collective_device)
-        dist.all_reduce(summed, group=self.process_group)
-        used_anywhere = [int(u > 0) for u in summed.tolist()]
+    def _learn_static_graph(self, expected: list[int], counts: list[int]) -> list[int]:
+        """Which parameters some rank used, and what the steps after it expect
+        (`expected`, how often each gradient comes here): one all-reduce of every rank's
+        `counts`, their maximum, before the first step's buckets. Returns the maximum:
+        what a rank that counted nothing (one that left before this step) expects."""
+        most = torch.tensor(counts, dtype=torch.int64, device=self._collective_device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.process_group)
+        most = most.tolist()
         self._expected = expected
         self._static_unused = [k for k, c in enumerate(expected) if c == 0]
-        self._count_as_unused(self._static_unused, used=used_anywhere)
-        return used_anywhere
+        self._count_as_unused(self._static_unused, used=[int(c > 0) for c in most])
+        return most
 
     def _shadow_backward(self) -> None:
         if self.static_graph and self._expected is None:
             # A rank that left before the first synchronised step: it takes part in
             # that step's all-reduce of who used what, as one that used nothing, and
-            # from then on reports the gradients the others used as come once.
+            # from then on reports each gradient as come as often as that step brought
+            # it on the rank that counted the most.
             self._expected = self._learn_static_graph([], [0] * len(self.named_trainable))
-            self._static_unused = [k for k, u in enumerate(self._expected) if u == 0]
+            self._static_unused = [k for k, c in enumerate(self._expected) if c == 0]
         super()._shadow_backward()
 
     def _shadow_arrivals(self) -> list[int]:
