@@ -51,22 +51,15 @@ What each algorithm costs on the cluster:
   inside each server leaves each GPU with the node's sum of one n/g shard; the g GPUs
   then each all-reduce their shard across the N servers at the same time, through the
   NIC they share (a ring or halving-doubling over N); a ring all-gather inside the
-  server finishes. The phases' counts are `profiling.collectives.model.three_phases`
-  (sharded): with c1, c3 the reduce-scatter and the all-gather (g-1 steps and
-  (g-1)/g n sent each, together exactly a ring all-reduce over g) and cN =
-  c(inter algorithm, N, n/g):
+  server finishes (`profiling.collectives.model.three_phases`, sharded). With c1, c3 the
+  reduce-scatter and all-gather (a ring all-reduce over g), cN = c(inter, N, n/g):
 
-      latency = call + (c1 + c3).steps * intra + cN.steps * inter
-                + (c1 + cN + c3).added * gamma
+      latency = call + (c1 + c3).steps * intra + cN.steps * inter + (c1 + cN + c3).added * gamma
       wire    = (c1 + c3).sent / B_intra + g * cN.sent / B_inter
 
-  Goyal et al. reduced to one buffer per server and all-reduced that whole buffer
-  between servers, as `ddp.collectives` builds it (three_phases, not sharded): a
-  binomial tree up to the server's first GPU and back down, and one GPU per server
-  all-reducing all n. Through the NIC that is cN computed on n instead of g shards of
-  n/g, the same bytes, in the same number of inter-node steps; inside the server the
-  tree takes 2 ceil(lg g) steps of all n where the ring takes 2(g-1) of n/g. The
-  simulator prices the sharded form for both names.
+  Goyal et al. (and `ddp.collectives`: three_phases, not sharded) reduced up a tree and
+  all-reduced one whole buffer per server: the same NIC bytes and inter-node steps, but
+  2 ceil(lg g) steps of n inside, not 2(g-1) of n/g; the simulator prices the sharded form.
 
 With N = 1 every algorithm is its single-server form; with g = 1 the hierarchical forms
 are the flat inter-node algorithm. The bandwidth terms run one after the other: the
@@ -193,15 +186,11 @@ def hierarchical(topo: Topology, nbytes: float, inter_algorithm: str = "ring") -
     once (`inter_algorithm`: ring or halving_doubling), all-gather in each server."""
     h = three_phases(inter_algorithm, topo.nodes, topo.gpus_per_node, nbytes, sharded=True)
     inside = (h.inside_before, h.inside_after)  # over NVLink
-    latency = (
-        sum(c.steps for c in inside) * topo.intra_latency_s + h.between.steps * topo.inter_latency_s
-    )
-    wire = (
-        sum(c.sent for c in inside) / topo.intra_bytes_per_s
-        + h.ranks_between * h.between.sent / topo.inter_bytes_per_s  # sharing the NIC
-    )
-    added = h.inside_before.added + h.between.added + h.inside_after.added
-    return _cost(topo, latency, added, wire)
+    latency = sum(c.steps for c in inside) * topo.intra_latency_s
+    latency += h.between.steps * topo.inter_latency_s
+    wire = sum(c.sent for c in inside) / topo.intra_bytes_per_s
+    wire += h.ranks_between * h.between.sent / topo.inter_bytes_per_s  # sharing the NIC
+    return _cost(topo, latency, sum(c.added for c in (*inside, h.between)), wire)
 
 
 # --8<-- [end:hierarchical]
