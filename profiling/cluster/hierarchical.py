@@ -117,13 +117,7 @@ def measure(
             "--repeats", str(repeats), "--algorithms", ",".join(algorithms)]  # fmt: skip
     with VirtualCluster(nodes=nodes, ranks_per_node=per_node, rate=rate) as cluster:
         burst = cluster.state.burst_bytes
-        out = cluster.run(args, timeout=600, capture=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"the measurement failed (exit {out.returncode}):\n{out.tail()}")
-    lines = [ln for ln in out.stdout[0].splitlines() if ln.startswith(RESULT_PREFIX)]
-    if not lines:
-        raise RuntimeError(f"the measurement printed no result:\n{out.tail()}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+        result = cluster.run_for_result(args, RESULT_PREFIX, "the measurement", timeout=600)
     return table(result, nodes, per_node, rate, cluster.rate_bits, burst, size_bytes)
 
 

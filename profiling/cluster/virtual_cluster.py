@@ -211,17 +211,22 @@ class VirtualCluster:
             capture=capture, grace=grace,
         )  # fmt: skip
 
+    def run_for_result(self, args: list[str], prefix: str, what: str, timeout: float) -> dict:
+        """Run `args` on the cluster (as `run`) and return the JSON its rank 0 printed last
+        after `prefix`; `what` names the run in the error if it fails or prints none."""
+        out = self.run(args, timeout=timeout, capture=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"{what} failed (exit {out.returncode}):\n{out.tail()}")
+        lines = [ln for ln in out.stdout[0].splitlines() if ln.startswith(prefix)]
+        if not lines:
+            raise RuntimeError(f"{what} printed no result:\n{out.tail()}")
+        return json.loads(lines[-1][len(prefix) :])
+
     def probe(self, megabytes: float = 25.0, iterations: int = 5, timeout: float = 120) -> dict:
         """Gloo all-reduce bandwidth between the nodes: see `probe_worker`."""
         args = ["-m", "profiling.cluster", "probe-worker", "--megabytes", str(megabytes),
                 "--iterations", str(iterations)]  # fmt: skip
-        out = self.run(args, timeout=timeout, capture=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"probe failed (exit {out.returncode}):\n{out.tail()}")
-        lines = [ln for ln in out.stdout[0].splitlines() if ln.startswith(PROBE_PREFIX)]
-        if not lines:
-            raise RuntimeError(f"probe printed no result:\n{out.tail()}")
-        result = json.loads(lines[-1][len(PROBE_PREFIX) :])
+        result = self.run_for_result(args, PROBE_PREFIX, "probe", timeout)
         result["expected_MBps"] = expected_allreduce_MBps(self.rate_bits, self.ranks)
         result["rate"] = self.rate
         return result
