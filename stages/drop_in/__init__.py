@@ -160,6 +160,7 @@ class DistributedDataParallel(AutoBucketDDP):
             for buffer in self.module.buffers():
                 buffer.data = buffer.to(self.mixed_precision.buffer_dtype or buffer.dtype)
         self._expected: list[int] | None = None
+        self._ran_before_forward = False  # see _inside_ddp_forward
         self._static_pending: tuple[list, list[int]] | None = None  # (buckets, counts)
         self._static_unused: list[int] = []  # positions whose gradient did not come
         if static_graph:
@@ -179,11 +180,9 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [start:forward]
     def forward(self, *inputs, **kwargs):
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if synced:
-            self._log_forward()
         if self.mixed_precision is not None:  # after a no_sync() backward: still low
             self._to_full_precision()
-        with self._inside_ddp_forward():
+        with self._inside_ddp_forward(synced):
             output = super().forward(*inputs, **kwargs)
         if self.mixed_precision is not None and not torch.is_grad_enabled():
             self._to_full_precision()  # no backward follows (evaluation)
@@ -195,17 +194,31 @@ class DistributedDataParallel(AutoBucketDDP):
         return output
 
     # torch.compile, where a framework compiles the wrapper itself (accelerate does when
-    # asked): what runs around the module (the runtime stats, the collectives and bucket
-    # rebuilds before a synchronised forward) runs eagerly, one call each, as torch's
-    # C++ logger and reducer do, so the graph breaks there and not in each of their lines.
+    # asked): what runs before the module at a synchronised forward (the runtime stats,
+    # the collectives and bucket rebuilds) runs in the one eager call that enters the
+    # forward (`_inside_ddp_forward`), as torch's C++ logger and reducer run in its
+    # `_pre_forward`, so the compiled wrapper breaks its graph where torch's does.
     @torch._dynamo.disable
-    def _log_forward(self) -> None:
-        """The runtime stats at a synchronised forward (torch's logger call)."""
+    def _before_module(self) -> None:
+        """At a synchronised forward, before the module: the runtime stats (torch's
+        logger call) and the collectives and rebuilds of the earlier stages'
+        `_before_synced_forward`. Under join those wait for join's own collectives (the
+        ranks that left match them in that order) and run where the earlier stages call
+        them."""
         if self._stats.forward_started():
             self._stats.record.update(layout_record(self))
+        self._ran_before_forward = not self._join_config.enable
+        if self._ran_before_forward:
+            super()._before_synced_forward()
+
+    def _before_synced_forward(self) -> None:
+        if self._ran_before_forward:  # as the forward entered: `_before_module`
+            self._ran_before_forward = False
+            return
+        self._eager_before_synced_forward()  # join's shadow step, or a forward under join
 
     @torch._dynamo.disable
-    def _before_synced_forward(self) -> None:
+    def _eager_before_synced_forward(self) -> None:
         super()._before_synced_forward()
 
     def _forward_before_sync(self) -> None:
@@ -227,17 +240,21 @@ class DistributedDataParallel(AutoBucketDDP):
 
     @contextmanager
     @torch._disable_dynamo(recursive=False)  # as torch's: it sets a class attribute
-    def _inside_ddp_forward(self) -> Iterator[None]:
+    def _inside_ddp_forward(self, synced: bool) -> Iterator[None]:
         """torch.compile's DDP optimizer asks torch's class for the DDP module whose
         forward runs (`_get_active_ddp_module`) and cuts the compiled graph where that
         module's buckets end, so gradients become ready bucket by bucket, as in eager
-        mode, and buckets leave while backward still computes."""
+        mode, and buckets leave while backward still computes. Before a synchronised
+        forward it first runs `_before_module`."""
+        if synced:
+            self._before_module()
         before = class_swap.TORCH_DDP._active_ddp_module
         class_swap.TORCH_DDP._active_ddp_module = self
         try:
             yield
         finally:
             class_swap.TORCH_DDP._active_ddp_module = before
+            self._ran_before_forward = False  # a forward that raised before using it
 
     # Where torch's own class (after install(), which rebinds the name it reads) or
     # torch's replicate() note their active module: read as well as torch's.
