@@ -87,10 +87,11 @@ if not torch.cuda.is_available():
     BAD_VALUES.append((["--backend", "nccl"], "--backend nccl needs CUDA"))
 
 
-@pytest.mark.parametrize(("args", "message"), BAD_VALUES)
-def test_a_bad_value_is_refused_with_the_usage_line_before_any_process_group(
-    args: list[str], message: str, group_log
-) -> None:
+def test_a_bad_value_is_refused_with_the_usage_line_before_any_process_group(group_log) -> None:
+    """Under torchrun, end to end, for one bad value: every bad value takes the same path
+    (argparse's error, before any process group), and each one's message is checked in
+    one process below."""
+    args, message = BAD_VALUES[1]
     out = torchrun(2, "-m", "stages.naive", *args, timeout=300)  # only a hang reaches it
     assert out.returncode != 0
     # Once, from rank 0: every rank parses the same arguments, only rank 0 says so.
@@ -108,6 +109,19 @@ def test_a_bad_value_is_refused_with_the_usage_line_before_any_process_group(
     # Before any process group: neither rank met the other at a store, nor made a group.
     made = group_log.made(ranks=2)
     assert made == [], f"refused only after: {made}"
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_VALUES)
+def test_each_bad_value_is_refused_with_its_message(
+    args: list[str], message: str, capsys, monkeypatch
+) -> None:
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun sets them: parsing checks them first
+    with pytest.raises(SystemExit) as exit:
+        main(STAGES["naive"], args)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count(message) == 1 and "usage: torchrun ... -m stages.naive" in err, err
 
 
 def test_naive_refuses_a_bucket_cap(capsys) -> None:
