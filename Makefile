@@ -23,7 +23,7 @@ $(WEBCOMPONENTS):
 	tar -xzf webcomponents.js-0.7.24.tgz --no-same-owner --strip-components=1 package/webcomponents.min.js && \
 	rm webcomponents.js-0.7.24.tgz
 
-.PHONY: demo test docs browser conformance clients gpu-check
+.PHONY: demo test docs browser conformance clients gpu-check elastic-trials suite
 demo: $(BIN)/.installed  ## every stage, compute-only and torch DDP on 2 CPU Gloo ranks
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m stages --model cnn --steps 10
 
@@ -32,7 +32,19 @@ test: $(BIN)/.installed browser  ## lint, the whole suite, and the strict docs b
 	# One worker per core (at most 4), a test file per worker at a time: most tests wait on
 	# processes they start (torchrun, Gloo ranks, a browser), so a lone pytest leaves a core idle.
 	# The suite builds the docs with `mkdocs build --strict` (tests/test_docs_site.py).
-	$(BIN)/pytest --numprocesses auto --maxprocesses 4 --dist loadfile
+	# The longest files go first (pytest collects each file once), so that no worker is
+	# left with a long one while the others have finished.
+	$(BIN)/pytest --numprocesses auto --maxprocesses 4 --dist loadfile $(LONGEST_FIRST) tests
+
+# The test files that take longest on 2 cores, longest first (`pytest --durations`).
+LONGEST_FIRST := tests/test_suite.py tests/test_docs_site.py tests/test_tensorboard.py \
+	tests/test_conformance.py tests/test_resume.py tests/test_torchrun.py \
+	tests/test_command_line.py tests/test_cluster.py tests/test_simulate_user_model.py
+
+# The one suite with more examples than CI draws: DDP_STAGES_EXAMPLES per stage (default
+# 1000), every stage and torch's DDP against one process. About 30 minutes on 2 cores.
+suite: $(BIN)/.installed  ## the property suite with 1000 examples per stage
+	DDP_STAGES_EXAMPLES=$${DDP_STAGES_EXAMPLES:-1000} $(BIN)/pytest -q tests/test_suite.py
 
 docs: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8000
@@ -60,3 +72,13 @@ clients: $(BIN)/.installed  ## accelerate and Lightning flows, torch's DDP again
 # stops at once, saying so.
 gpu-check: $(BIN)/.installed  ## every GPU check, figures in runs/gpu-check/results.md
 	$(BIN)/python -m tests.gpu_check --out runs/gpu-check
+
+# Losing a server: 10 trials per policy of an elastic run on the virtual cluster (2 nodes x 2
+# ranks; needs root), node 1 killed at a random step; prints the tables of
+# docs/when-a-server-is-lost.md, and writes them there with OUT=docs/results. About 25
+# minutes on 2 cores.
+elastic-trials: $(BIN)/.installed  ## lose a node of an elastic run: 10 trials per policy
+	$(BIN)/python -m profiling.studies.elastic_trials --trials 10 --seed 1 \
+		--policy keep-global-batch $(if $(OUT),--out $(OUT)/elastic-keep-global-batch.md)
+	$(BIN)/python -m profiling.studies.elastic_trials --trials 10 --seed 1 \
+		--policy scale-lr $(if $(OUT),--out $(OUT)/elastic-scale-lr.md)

@@ -59,7 +59,8 @@ class CheckpointError(RuntimeError):
 class RunSettings:
     """What a checkpoint must agree with to be resumed from: a different model, batch,
     learning rate or world size would train on from a state it did not make. --steps and
-    --warmup-steps may change (train longer from the same checkpoint)."""
+    --warmup-steps may change (train longer from the same checkpoint). Under --elastic
+    the world size may change too, and the policy may not (`ddp.elastic.settings`)."""
 
     model: str
     width: int
@@ -101,13 +102,16 @@ def save(
     position: Mapping[str, object] | None = None,
     loop: Mapping[str, object] | None = None,
     group: dist.ProcessGroup | None = None,
+    keep: int = 1,
 ) -> Path:
     """Checkpoint the state after `step` optimizer steps; collective over `group` (the
     default one) when a process group is initialised: every rank calls it. `position` is the
     data position beyond the step (an epoch and the iteration in it), `loop` what else the
     loop must go on with; both hold tensors, numbers, strings, lists and dicts only, which
     load with weights_only=True. Returns the committed folder. `midway` runs once this
-    rank's file is half written (the fault injection's hook)."""
+    rank's file is half written (the fault injection's hook). `keep`: how many committed
+    checkpoints stay, the newest; older ones, and folders of writes that did not finish,
+    are deleted once this one is committed."""
     rank, world = rank_and_world(group)
     step_dir = run_dir / f"{STEP_PREFIX}{step:08d}"
     step_dir.mkdir(parents=True, exist_ok=True)
@@ -133,8 +137,10 @@ def save(
         write_durably(step_dir / (COMMITTED + ".tmp"), json.dumps(manifest, indent=1).encode())
         os.replace(step_dir / (COMMITTED + ".tmp"), step_dir / COMMITTED)
         fsync_dir(step_dir)
-        for old in run_dir.glob(STEP_PREFIX + "*"):
-            if old != step_dir:
+        folders = sorted(run_dir.glob(STEP_PREFIX + "*"), reverse=True)
+        kept = [d for d in folders if (d / COMMITTED).is_file()][:keep]
+        for old in folders:
+            if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
     # No rank trains on (and can be killed believing it saved) before the marker exists.
     if world > 1:
@@ -204,12 +210,15 @@ def restore(
     *,
     scheduler: LRScheduler | None = None,
     group: dist.ProcessGroup | None = None,
+    any_world: bool = False,
 ) -> dict | None:
     """Load the newest committed checkpoint under `run_dir` into `model`, `optimizer`,
     `scheduler` and the generators, and return its state (`step`, `data`: the position,
     with `next_step`; `loop`), or None when there is none. Collective over `group` when a
     process group is initialised: rank 0 picks the checkpoint, every rank checks and loads
-    its own file, and if any rank's check fails every rank raises the same CheckpointError."""
+    its own file, and if any rank's check fails every rank raises the same CheckpointError.
+    `any_world` (--elastic): a checkpoint written by W ranks loads on any number W', rank
+    r taking rank r mod W's file (see `read_rank_file`)."""
     rank, world = rank_and_world(group)
     chosen = [newest_committed(run_dir) if rank == 0 else None]
     if world > 1:
@@ -218,7 +227,8 @@ def restore(
     if step_dir is None:
         return None
     try:
-        state, error = read_rank_file(step_dir, rank, settings, scheduler is not None), None
+        state = read_rank_file(step_dir, rank, settings, scheduler is not None, any_world)
+        error = None
     except CheckpointError as e:
         state, error = None, str(e)
     errors = all_gather(error, group)
@@ -263,17 +273,26 @@ def newest_committed(run_dir: Path) -> Path | None:
 
 
 def read_rank_file(
-    step_dir: Path, rank: int, settings: Settings, with_scheduler: bool = False
+    step_dir: Path,
+    rank: int,
+    settings: Settings,
+    with_scheduler: bool = False,
+    any_world: bool = False,
 ) -> dict:
     """This rank's state from a committed checkpoint, refused unless its manifest matches
     this run and the file is whole (size and sha256 as committed). `with_scheduler`: the
-    loop has a learning-rate scheduler, whose state the checkpoint must hold."""
+    loop has a learning-rate scheduler, whose state the checkpoint must hold. `any_world`:
+    the checkpoint may come from another number of ranks W, and rank r reads rank r mod W's
+    file. Parameters and optimizer state are the same in every file; what is a rank's own
+    (its generator, BatchNorm's running statistics) is then that rank's, and a rank past
+    W takes a copy of another's."""
     marker = step_dir / COMMITTED
     try:
         manifest = json.loads(marker.read_text())
-        ours = manifest["files"][rank]
+        files = manifest["files"]
+        ours = files[rank % len(files) if any_world else rank]
         written = dict(manifest["settings"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as e:
         raise CheckpointError(f"{marker} is unreadable ({e}); delete {step_dir} to go on") from e
     here = settings_dict(settings)
     if written != here:

@@ -19,6 +19,7 @@ from typing import IO, Any, NoReturn
 from ddp.models import MODELS
 
 BACKENDS = ("gloo", "nccl", "auto")
+ELASTIC = ("off", "keep-global-batch", "scale-lr")  # ddp/elastic.py
 
 
 def option(
@@ -101,11 +102,33 @@ class Config:
     checkpoint_every: int = option(
         50, "optimizer steps (warm-up steps included) between checkpoints; one at the end too"
     )
+    checkpoint_keep: int = option(
+        1, "committed checkpoints kept, the newest; an older one goes once a newer is committed"
+    )
     deterministic: bool = option(
         False,
         "torch's deterministic algorithms (torch.use_deterministic_algorithms): on a GPU, "
         "needed for two runs, or a run and its resume, to end with bit-identical "
         "parameters; some of cuDNN's convolution kernels add in an order that varies",
+    )
+    elastic: str = option(
+        "off",
+        "go on with the ranks left when torchrun (--nnodes MIN:MAX --max-restarts K) re-forms "
+        "the group after losing a node, resuming a checkpoint of another world size: "
+        "keep-global-batch trains --global-batch-size per micro-batch on any world (a larger "
+        "batch per rank; the learning rate unchanged); scale-lr trains --batch-size per rank "
+        "and scales the learning rate with the global batch, --lr x (W x --batch-size) / "
+        "--global-batch-size (the linear scaling rule); both need --global-batch-size, the "
+        "global batch the run is planned for (docs/when-a-server-is-lost.md)",
+        ELASTIC,
+    )
+    dataset_size: int = option(
+        1024,
+        "with --elastic: synthetic samples in the data set the run trains over, epoch after "
+        "epoch, shuffled per epoch",
+    )
+    elastic_warmup_steps: int = option(
+        5, "with --elastic scale-lr, steps over which a learning rate that rises is ramped up"
     )
     timeout: float = option(
         300.0,
@@ -123,7 +146,8 @@ class Config:
                     f"got {getattr(self, f.name)!r}"
                 )
         for name in (
-            "width", "depth", "steps", "batch_size", "accumulation_steps", "checkpoint_every"
+            "width", "depth", "steps", "batch_size", "accumulation_steps", "checkpoint_every",
+            "checkpoint_keep", "dataset_size",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +155,16 @@ class Config:
             raise ValueError(f"--global-batch-size must be >= 0, got {self.global_batch_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.elastic_warmup_steps < 0:
+            raise ValueError(
+                f"--elastic-warmup-steps must be >= 0, got {self.elastic_warmup_steps}"
+            )
+        if self.elastic != "off" and not self.global_batch_size:
+            raise ValueError(
+                f"--elastic {self.elastic} needs --global-batch-size: the global batch the run "
+                "is planned for, which keep-global-batch keeps and scale-lr scales --lr from "
+                "(e.g. 64 for 4 ranks of 16)"
+            )
         if self.bucket_cap_mb != "auto" and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be > 0 MiB or auto, got {self.bucket_cap_mb}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -154,7 +188,10 @@ class Config:
             )
 
     def global_batch(self, world_size: int) -> int:
-        """Samples per micro-batch over all ranks: --global-batch-size, else W x --batch-size."""
+        """Samples per micro-batch over all ranks: --global-batch-size, else W x --batch-size
+        (and always with --elastic scale-lr, which keeps the batch per rank)."""
+        if self.elastic == "scale-lr":
+            return self.batch_size * world_size
         return self.global_batch_size or self.batch_size * world_size
 
 

@@ -29,6 +29,7 @@ from ddp.dist import (
     setup_process_group,
     teardown_process_group,
 )
+from ddp.elastic import Elastic
 from ddp.fault_injection import Fault
 from ddp.heap import steady_heap
 from ddp.models import rank_model
@@ -80,8 +81,19 @@ def train(
     # --8<-- [start:resume]
     run_dir = Path(cfg.checkpoint_dir) / name
     settings = checkpoint.run_settings(cfg, global_batch, world)
-    first_step = checkpoint.resume(run_dir, model, optimizer, settings) if cfg.checkpoint_dir else 0
+    # --elastic: a checkpoint of another world size resumes too, with its data position
+    # and learning rate (ddp/elastic.py); the run's header says what this world trains.
+    elastic = Elastic(cfg, model, device) if cfg.elastic != "off" else None
+    if elastic is not None:
+        settings = elastic.settings
+        first_step = elastic.resume(run_dir if cfg.checkpoint_dir else None, model, optimizer)
+    elif cfg.checkpoint_dir:
+        first_step = checkpoint.resume(run_dir, model, optimizer, settings)
+    else:
+        first_step = 0
     # --8<-- [end:resume]
+    if elastic is not None:
+        total_steps = elastic.end  # scale-lr: a smaller world takes more steps
     fault = Fault.from_env()
     if fault is not None:
         fault.install(model, optimizer)
@@ -95,7 +107,10 @@ def train(
     for step in range(first_step, total_steps):
         if fault is not None:
             fault.current_step = step
-        micro_batches = make_micro_batches(model, cfg, step, device)
+        if elastic is None:
+            micro_batches = make_micro_batches(model, cfg, step, device)
+        else:  # sets the step's learning rate too
+            micro_batches = elastic.start_step(step, optimizer)
         synchronize(device)
         start = time.perf_counter()
         loss = train_step(wrapped, micro_batches, optimizer, finish)
@@ -109,10 +124,16 @@ def train(
             progress.step(step_s)
         # --8<-- [start:checkpoint]
         done = step + 1
+        if elastic is not None:
+            elastic.end_step()
         if cfg.checkpoint_dir and (done % cfg.checkpoint_every == 0 or done == total_steps):
             midway = partial(fault.at, "checkpoint", done) if fault else lambda: None
-            checkpoint.save(run_dir, done, model, optimizer, settings, midway)
+            position = elastic.position() if elastic is not None else None
+            checkpoint.save(run_dir, done, model, optimizer, settings, midway,
+                            position=position, keep=cfg.checkpoint_keep)  # fmt: skip
         # --8<-- [end:checkpoint]
+    if elastic is not None:
+        elastic.final_loss(model)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     result = RunResult(

@@ -24,6 +24,9 @@ link. `--ranks` is the world size, N x R; with the default R = 1, one rank per n
 
 `cluster.set_link(k, up=False)` takes node k's link down while something runs (a pulled
 cable: tests/test_cluster.py checks that the rank cut off is named within --timeout).
+`run --elastic` starts torchrun's elastic rendezvous instead (`ElasticLaunch`), and `lose K`
+kills node K (or `--link down` cuts it off): the nodes left re-form and go on
+(docs/when-a-server-is-lost.md).
 
 Topology. Nothing is created in the host's namespace and no host interface is touched:
 

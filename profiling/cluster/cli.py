@@ -1,9 +1,12 @@
-"""The command line: up, run, probe, down, status, hierarchical (and probe-worker and
-hierarchical-worker, which `probe` and `hierarchical` run on every node)."""
+"""The command line: up, run, lose, probe, down, status, hierarchical (and probe-worker
+and hierarchical-worker, which `probe` and `hierarchical` run on every node)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 
 import profiling.cluster
@@ -23,7 +26,7 @@ from profiling.cluster.network import (
     remove_stale,
 )
 from profiling.cluster.probe import probe_worker
-from profiling.cluster.virtual_cluster import VirtualCluster
+from profiling.cluster.virtual_cluster import ElasticLaunch, VirtualCluster
 
 
 def _cli_cluster(cid: str | None) -> VirtualCluster:
@@ -107,6 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--id", help="which cluster (default: the one `up` made)")
     p.add_argument("--timeout", type=float, help="seconds before every node is killed")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="torchrun's elastic rendezvous (--nnodes 1:N, its store on node 0): a node lost "
+        "leaves the others to re-form, and the run's exit status is node 0's",
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: torchrun's")
+    p = sub.add_parser(
+        "lose",
+        formatter_class=defaults,
+        help="lose node K while something runs: SIGKILL everything in it, or --link down",
+    )
+    p.add_argument("node", type=int, help="the node's index (0 holds an elastic run's store)")
+    p.add_argument("--id", help="which cluster (default: the one `up` made)")
+    p.add_argument(
+        "--link", choices=("down", "up"), help="instead: take its link down (or up again)"
+    )
     p = sub.add_parser(
         "probe", formatter_class=defaults, help="measure Gloo all-reduce bandwidth across the links"
     )
@@ -223,7 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if not rest:
             parser.error("give torchrun's arguments after --, e.g. run -- -m stages.naive")
-        return cluster.run(rest, timeout=args.timeout).returncode
+        if not args.elastic:
+            return cluster.run(rest, timeout=args.timeout).returncode
+        # A lost node is the point: the others go on, and node 0 says how the run ended.
+        launch = ElasticLaunch(max_restarts=args.max_restarts)
+        out = cluster.run(rest, timeout=args.timeout, grace=float("inf"), launch=launch)
+        return out.returncodes[0] if out.returncodes[0] is not None else out.returncode
+    if args.command == "lose":
+        if not 0 <= args.node < cluster.nodes:
+            parser.error(f"node {args.node}: the cluster has nodes 0 to {cluster.nodes - 1}")
+        if args.link:
+            cluster.set_link(args.node, up=args.link == "up")
+        else:
+            for pid in cluster.node_pids(args.node):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return 0
     if args.command == "probe":
         r = cluster.probe(args.megabytes, args.iterations)
         print(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +40,14 @@ def run_nodes(
     timeout: float | None = None,
     capture: bool = False,
     grace: float = 15.0,
+    started: Callable[[list[subprocess.Popen]], None] | None = None,
 ) -> NodeRun:
     """Start every command, wait for all; kill the rest on failure, timeout or signal.
 
     Each node runs in a session of its own, so that a terminal's Ctrl-C reaches us
     only, and we stop every node (torchrun and its workers: the whole session) on
-    the way out, whatever the way out is."""
+    the way out, whatever the way out is. `started` is given the processes, one per
+    node, once all have started (a harness that kills one while the others run)."""
     start = time.monotonic()
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
     procs: list[subprocess.Popen] = []
@@ -62,6 +65,8 @@ def run_nodes(
                         stderr=err if capture else None,
                     )
                 )
+            if started is not None:
+                started(list(procs))
             failed_at = None
             while any(c is None for c in codes):
                 for k, proc in enumerate(procs):
@@ -116,6 +121,18 @@ def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
                 os.kill(pid, signal.SIGKILL)
     for p in procs:
         p.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process below it, as a machine that loses power:
+    torchrun's workers run in sessions of their own, out of reach of its process group."""
+    below = _descendants(pid)  # before they are orphaned
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    for child, started in below:
+        if _start_time(child) == started:  # still that process, not a reused pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def _start_time(pid: int) -> int | None:

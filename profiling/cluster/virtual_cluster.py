@@ -7,8 +7,11 @@ import json
 import os
 import re
 import secrets
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from profiling.cluster.network import (
     IFNAME,
@@ -29,6 +32,39 @@ from profiling.cluster.network import (
 from profiling.cluster.nodes import NodeRun, run_nodes
 from profiling.cluster.probe import PROBE_PREFIX, expected_allreduce_MBps
 from profiling.cluster.signals import _signals_deferred, _signals_raise
+
+
+@dataclass(frozen=True)
+class ElasticLaunch:
+    """torchrun's elastic rendezvous (c10d), in place of the static one: a node may be
+    lost, and torchrun re-forms the group with the nodes left, down to `min_nodes`,
+    restarting the workers at most `max_restarts` times. The store of the rendezvous is
+    hosted by the agent of the endpoint's node (node 0's): lose another.
+
+    The times are torch's defaults shortened so that a re-formation takes seconds: a
+    node is dead once its agent's keep-alive has been missing `keep_alive_s` x 3, and a
+    rendezvous that has its minimum of nodes waits `last_call_s` more for others (the
+    first one too: the nodes must start within that of each other, or the run starts
+    smaller and grows when the late one joins)."""
+
+    min_nodes: int = 1
+    max_restarts: int = 3
+    last_call_s: int = 3
+    keep_alive_s: int = 1
+    run_id: str = "ddp-stages"
+
+    def torchrun_options(
+        self, endpoint: str, local_addr: str, nodes: int, ranks_per_node: int, host: bool
+    ) -> list[str]:
+        """torchrun's options for one node; `host`: this node holds the store."""
+        conf = (f"last_call_timeout={self.last_call_s},keep_alive_interval={self.keep_alive_s},"
+                f"keep_alive_max_attempt=3,is_host={int(host)}")  # fmt: skip
+        return ["--nnodes", f"{self.min_nodes}:{nodes}", "--nproc-per-node", str(ranks_per_node),
+                "--max-restarts", str(self.max_restarts), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", conf,
+                # Published to the workers as the store's address when this node is rank 0:
+                # the host name would resolve outside the namespaces.
+                "--local-addr", local_addr]  # fmt: skip
 
 
 class VirtualCluster:
@@ -161,20 +197,29 @@ class VirtualCluster:
 
     # - running things inside -
 
-    def node_commands(self, args: list[str]) -> list[list[str]]:
+    def node_commands(
+        self, args: list[str], launch: ElasticLaunch | None = None
+    ) -> list[list[str]]:
         """One torchrun node per namespace, starting `ranks_per_node` ranks there; `args`
         is what follows torchrun's options (`-m stages.bucketed --steps 3`, or
         `script.py ...`). Node k's ranks are k*R .. k*R+R-1 (torchrun's static
         rendezvous numbers them so), the consecutive ranks ddp.collectives'
-        `ranks_per_node` takes for a node."""
+        `ranks_per_node` takes for a node. With `launch`, the elastic rendezvous instead,
+        its store on node 0 (whose address sorts first, so its ranks are 0 .. R-1 too)."""
         s = self._require_up()
         commands = []
         for k, ns in enumerate(s.namespaces):
-            torchrun = [sys.executable, "-m", "torch.distributed.run",
-                        "--nnodes", str(s.nodes), "--node-rank", str(k),
-                        "--nproc-per-node", str(s.ranks_per_node),
-                        "--master-addr", s.addresses[0], "--master-port", str(MASTER_PORT),
-                        ]  # fmt: skip
+            torchrun = [sys.executable, "-m", "torch.distributed.run"]
+            if launch is None:
+                torchrun += ["--nnodes", str(s.nodes), "--node-rank", str(k),
+                             "--nproc-per-node", str(s.ranks_per_node),
+                             "--master-addr", s.addresses[0], "--master-port", str(MASTER_PORT),
+                             ]  # fmt: skip
+            else:
+                endpoint = f"{s.addresses[0]}:{MASTER_PORT}"
+                torchrun += launch.torchrun_options(
+                    endpoint, s.addresses[k], s.nodes, s.ranks_per_node, host=k == 0
+                )
             commands.append([_tool("ip"), "netns", "exec", ns, *torchrun, *args])
         return commands
 
@@ -199,16 +244,19 @@ class VirtualCluster:
         capture: bool = False,
         grace: float = 15.0,
         env: dict[str, str] | None = None,
+        launch: ElasticLaunch | None = None,
+        started: Callable[[list[subprocess.Popen]], None] | None = None,
     ) -> NodeRun:
         """Run torchrun `args` on every node at once and wait for all of them.
 
         Once one node fails, the others get `grace` seconds to notice (their peers'
         sockets close) before being killed; on `timeout` (seconds) or Ctrl-C all are
         killed. With `capture`, each node's stdout and stderr are returned, else they
-        go to ours. `env` adds to (or overrides) the environment every node gets."""
+        go to ours. `env` adds to (or overrides) the environment every node gets.
+        `launch`: torchrun's elastic rendezvous; `started`: see `run_nodes`."""
         return run_nodes(
-            self.node_commands(args), {**self.node_env(), **(env or {})}, timeout=timeout,
-            capture=capture, grace=grace,
+            self.node_commands(args, launch), {**self.node_env(), **(env or {})},
+            timeout=timeout, capture=capture, grace=grace, started=started,
         )  # fmt: skip
 
     def run_for_result(self, args: list[str], prefix: str, what: str, timeout: float) -> dict:
@@ -251,6 +299,20 @@ class VirtualCluster:
         """The processes running in node `node`'s namespace (its torchrun and workers)."""
         s = self._require_up()
         return [int(pid) for pid in _sh(_tool("ip"), "netns", "pids", s.namespaces[node]).split()]
+
+    def left_behind(self) -> list[str]:
+        """What still runs or listens in the cluster's namespaces (nothing, after a run
+        that cleaned up): processes, and TCP listeners."""
+        s = self._require_up()
+        found = []
+        for ns in s.all_namespaces:
+            pids = _sh(_tool("ip"), "netns", "pids", ns).split()
+            if pids:
+                found.append(f"{ns}: processes {' '.join(pids)}")
+            listening = _sh(_tool("ip"), "netns", "exec", ns, _tool("ss"), "-Hltn").strip()
+            if listening:
+                found.append(f"{ns}: listening {' | '.join(listening.splitlines())}")
+        return found
 
     def _require_up(self) -> ClusterState:
         if self.state is None:
