@@ -126,16 +126,25 @@ def _compress_hook(
 # --8<-- [start:point_to_point]
 @dataclass
 class PointToPointState:
-    """Which of `ddp.collectives.ALGORITHMS` averages the buckets, over which group."""
+    """Which of `ddp.collectives.ALGORITHMS` averages the buckets, over which group; for
+    the hierarchical ones, how many consecutive ranks share a node."""
 
     process_group: dist.ProcessGroup | None = None  # None: the default group
     algorithm: str = "ring"
+    ranks_per_node: int = 1  # ranks kg .. kg + g - 1 are node k's (torchrun numbers them so)
+    # Bytes this rank has sent to ranks of other nodes, over every bucket so far: what the
+    # links between servers carried (with the three phases, only the nodes' first ranks').
+    bytes_sent_between_nodes: int = 0
 
     def __post_init__(self):
         if self.algorithm not in collectives.ALGORITHMS:
             raise ValueError(
                 f"PointToPointState: algorithm {self.algorithm!r} is not one of "
                 f"{', '.join(collectives.ALGORITHMS)}"
+            )
+        if self.ranks_per_node < 1:
+            raise ValueError(
+                f"PointToPointState: ranks_per_node must be >= 1, got {self.ranks_per_node}"
             )
 
 
@@ -149,7 +158,9 @@ def point_to_point_hook(
     Cost: our all-reduce blocks until it is done, so the future is complete when it
     is returned, and backward waits for each bucket instead of running under it.
     Every rank still ends with bit-identical gradients: each element's sum is
-    computed on one rank and copied to the others."""
+    computed on one rank and copied to the others. With
+    `PointToPointState(group, "hierarchical_ring", ranks_per_node=g)`, Goyal et al.'s three
+    phases: sum inside each node of g ranks, all-reduce between nodes, broadcast inside."""
     if not isinstance(state, PointToPointState):
         raise TypeError(
             f"point_to_point_hook's state must be a PointToPointState, got "
@@ -159,7 +170,10 @@ def point_to_point_hook(
     group = _group_of(state.process_group, "point_to_point_hook")
     tensor = bucket.buffer()
     tensor.div_(group.size())  # divide before summing, as allreduce_hook does
-    collectives.all_reduce(tensor, state.algorithm, group)
+    traffic = collectives.all_reduce(
+        tensor, state.algorithm, group, ranks_per_node=state.ranks_per_node
+    )
+    state.bytes_sent_between_nodes += traffic.bytes_sent_between_nodes
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
     return future
