@@ -115,10 +115,7 @@ def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-    for pid, started in workers:
-        if _start_time(pid) == started:  # still that process, not a reused pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    _kill_those_still_running(workers)
     for p in procs:
         p.wait()
 
@@ -129,10 +126,15 @@ def kill_tree(pid: int) -> None:
     below = _descendants(pid)  # before they are orphaned
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    for child, started in below:
-        if _start_time(child) == started:  # still that process, not a reused pid
+    _kill_those_still_running(below)
+
+
+def _kill_those_still_running(processes: list[tuple[int, int]]) -> None:
+    """SIGKILL each (pid, start time) that is still that process, not a reused pid."""
+    for pid, started in processes:
+        if _start_time(pid) == started:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
 
 def _start_time(pid: int) -> int | None:
