@@ -13,6 +13,13 @@ stage runs at each point of one gradient's path, traced from one warm step of th
 on a 1-rank Gloo group in this process (`profiling/course/backward_path.py`, well under a
 second), so it cannot name fewer methods than run.
 
+`{{ number("overlapped_step_ms") }}` becomes a figure the course quotes, `{{
+duration("check_skip_sync") }}` the time a command the page gives takes ("about 4
+minutes"), both from `docs/results/course-numbers.json`, which one command measures
+(`profiling/course/numbers.py`), rounded the same way on every page
+(`profiling/course/quoted.py`, which defines each name); `{{ number("compute_ms", "bare")
+}}` leaves the unit out. A name that is not defined fails the build.
+
 Also makes relative `pymdownx.snippets` base paths relative to mkdocs.yml, so the build
 works from any directory, not only the repository root.
 """
@@ -32,9 +39,10 @@ from pathlib import Path
 import torch
 from mkdocs.exceptions import PluginError
 
-FUNCTIONS = "stage_diff|backward_path"
+FUNCTIONS = "stage_diff|backward_path|number|duration"
 PLACEHOLDER = re.compile(rf"\{{\{{\s*(?P<fn>{FUNCTIONS})\((?P<arg>.*?)\)\s*\}}\}}")
 QUOTED_NAME = re.compile(r"""\s*(?P<q>["'])(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P=q)\s*""")
+BARE = re.compile(r"""\s*,\s*(?P<q>["'])bare(?P=q)\s*$""")  # number("name", "bare")
 LEFTOVER = re.compile(rf"\{{\{{[^\n]*?({FUNCTIONS})[^\n]*")  # e.g. one missing its }}
 # A snippet line after a Python formatter took it for code (ruff 0.16+ formats ```python
 # fences in Markdown): snippets no longer sees it and would print it as text, silently.
@@ -48,10 +56,11 @@ FOLD_LINES = 30  # a diff longer than this is folded into a collapsible block
 _root = Path(__file__).resolve().parent.parent  # replaced by mkdocs.yml's folder in on_config
 _stages: dict[str, type] | None = None
 _backward_path: tuple | None = None  # (the tracing module, its trace), once per build
+_numbers: tuple | None = None  # (profiling.course.numbers, its data), once per build
 
 
 def on_config(config):
-    global _root, _stages, _backward_path
+    global _root, _stages, _backward_path, _numbers
     _root = Path(config.config_file_path).resolve().parent
     snippets = config.mdx_configs.get("pymdownx.snippets", {})
     if "base_path" in snippets:
@@ -60,6 +69,7 @@ def on_config(config):
         snippets["base_path"] = [str(_root / p) for p in paths]
     _stages = None  # re-import on every build, so `mkdocs serve` shows edited stages
     _backward_path = None
+    _numbers = None
     return config
 
 
@@ -81,6 +91,8 @@ def on_page_markdown(markdown, page, config, files):
                     "write {{ backward_path() }}"
                 )
             return backward_path(page.file.src_uri)
+        if fn in ("number", "duration"):
+            return course_number(fn, arg, page.file.src_uri, match.group(0))
         quoted = QUOTED_NAME.fullmatch(arg)
         if quoted is None:
             raise PluginError(
@@ -124,6 +136,30 @@ def backward_path(where: str = "final_class.md") -> str:
     tracer, traced = _backward_path
     up = posixpath.relpath("stages", posixpath.dirname(where) or ".")
     return tracer.page_text(traced, stage_link=up + "/{}.md")
+
+
+def course_number(fn: str, arg: str, where: str, placeholder: str) -> str:
+    """A figure (`number`) or a command's time (`duration`) as profiling/course/numbers.py
+    renders it from the committed measurements."""
+    global _numbers
+    if _numbers is None:
+        load_stages()  # puts the repository root first on sys.path
+        sys.modules.pop("profiling.course.quoted", None)  # fresh, as the stages are
+        numbers = importlib.import_module("profiling.course.quoted")
+        _numbers = (numbers, numbers.load(_root / "docs/results/course-numbers.json"))
+    numbers, data = _numbers
+    bare = BARE.search(arg) if fn == "number" else None
+    quoted = QUOTED_NAME.fullmatch(arg[: bare.start()] if bare else arg)
+    if quoted is None:
+        raise PluginError(
+            f'{where}: bad placeholder {placeholder!r}; write {{{{ {fn}("<name>") }}}}'
+        )
+    try:
+        if fn == "number":
+            return numbers.render(quoted.group("name"), data, bare=bare is not None)
+        return numbers.render_duration(quoted.group("name"), data)
+    except KeyError as e:
+        raise PluginError(f"{where}: {placeholder}: {e.args[0]}") from None
 
 
 def _shown_on_page(markdown: str) -> dict[str, dict[str, str]]:

@@ -355,3 +355,23 @@ def test_timeline_shows_the_same_compute_and_communication(traces, results):
         t = step_timeline(traces[run][0], s.step)
         assert sum(length(v) for v in t["compute"].values()) == pytest.approx(s.compute_ms)
         assert length(t["communication"]) == pytest.approx(s.communication_ms)
+
+
+def test_the_timeline_keeps_each_collective_and_each_launch():
+    """A figure draws each all-reduce as its own bar and marks each launch: two buckets
+    launched during backward, the second while the first runs (two rows, as Gloo runs
+    two at once), then a third after the first ended (back in the first row)."""
+    t = trace(
+        event("ProfilerStep#1", 0, 100),
+        event("backward", 0, 60),
+        event("allreduce bucket 0 (40 B)", 10, 11),
+        gloo(10, 40),
+        event("allreduce bucket 1 (40 B)", 20, 21),
+        gloo(20, 50, tid=GLOO_B),
+        event("allreduce bucket 2 (40 B)", 30, 31),
+        gloo(45, 70),  # queued until a thread was free
+    )
+    timeline = step_timeline(t, 1)
+    assert timeline["launches"] == [10, 20, 30]
+    assert timeline["collective_rows"] == [[(10, 40), (45, 70)], [(20, 50)]]
+    assert timeline["communication"] == [(10, 70)]  # merged, for the time in flight

@@ -4,6 +4,7 @@ by hand (the page's JavaScript is checked against it in tests/test_docs_site.py)
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -84,7 +85,7 @@ def test_question_5s_answer_is_the_models_and_on_the_slider():
         return round(s.step_s / k * 1e3), f"{s.step_s / s.compute_s:.2f}"
 
     question = page[page.index("**Question 5.**") : page.index("## How the page")]
-    assert "under 1.2× compute alone" in question
+    assert "under 1.2× its compute alone" in " ".join(question.split())
     first = next(k for k in range(1, 1000) if float(reading(k)[1]) < 1.2)
     found = re.search(
         r"k = (\d+), at (\d+) ms per micro-batch \((\d\.\d\d)×\); "
@@ -94,6 +95,23 @@ def test_question_5s_answer_is_the_models_and_on_the_slider():
     k, ms, ratio, other, other_ms, other_ratio = found.groups()
     assert int(k) == first and (int(ms), ratio) == reading(first)
     assert (int(other_ms), other_ratio) == reading(int(other))
+    # The model's terms, as the bars' times give them.
+    text = " ".join(question.split())
+    terms = re.search(
+        r"take (\d+) ms per micro-batch and the optimizer (\d+) ms per step.*?"
+        r"about (\d+) ms more.*?t\(k\) ≈ (\d+) k \+ (\d+) ms", text
+    )  # fmt: skip
+    assert terms, "question 5's answer no longer gives the model's terms"
+    one = anatomy.step(workload, buckets, "skip_sync", 1.0, 0.0, 1)
+    micro, optimizer, sync = (
+        workload.forward_s + workload.backward_s,
+        workload.optimizer_s,
+        (one.step_s - one.compute_s),
+    )
+    assert [int(x) for x in terms.groups()] == [
+        round(micro * 1e3), round(optimizer * 1e3), round(sync * 1e3), round(micro * 1e3),
+        round((sync + optimizer) * 1e3),
+    ]  # fmt: skip
     slider = re.search(r'name="micro" min="1" max="(\d+)"', page)
     assert slider and first <= int(slider.group(1)), "the micro-batch slider stops short of k"
 
@@ -117,3 +135,84 @@ def test_every_cap_position_changes_the_layout():
     groups = data["models"]["mlp_2048x7"]["cap_groups"]
     assert html and int(html.group(1)) == len(groups)
     assert groups[int(html.group(2)) - 1]["layout"] == "25"
+
+
+def _page_and_model(name: str):
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    model = anatomy.read_page_data(docs / "js/anatomy-workload.js")["models"][name]
+    return (docs / "anatomy.md").read_text(), model, anatomy.from_json(model)
+
+
+def _answer(page: str, question: int) -> str:
+    start = page.index(f"**Question {question}.**")
+    return " ".join(page[start : page.index(f"**Question {question + 1}.**")].split())
+
+
+def test_question_2s_answer_is_the_models_at_two_slider_positions():
+    """Question 2 (overlapped, the 14-gradient MLP, no latency, 25 MiB): the two
+    bandwidths the answer names are neighbouring positions of the slider (10^(-1 + p/10)
+    Gbit/s, shown to 2 digits), the step and ratio at each are the model's, and the
+    first is above 1.15x compute alone, the second under."""
+    page, model, workload = _page_and_model("mlp_2048x7")
+    answer = _answer(page, 2)
+    found = re.findall(r"(\d+) ms at (\d+(?:\.\d)?) Gbit/s \((\d\.\d\d)×", answer)
+    assert len(found) == 2, f"question 2's answer no longer reads 'T ms at G Gbit/s (R×': {answer}"
+    positions = []
+    for ms, shown, ratio in found:
+        position = next(
+            p for p in range(31) if f"{10 ** (-1 + p / 10):.2g}" == f"{float(shown):.2g}"
+        )
+        s = anatomy.step(workload, model["layouts"]["25"], "overlapped",
+                         10 ** (-1 + position / 10), 0.0, 1)  # fmt: skip
+        assert (int(ms), ratio) == (round(s.step_s * 1e3), f"{s.step_s / s.compute_s:.2f}")
+        positions.append((position, s.step_s / s.compute_s))
+    (p1, r1), (p2, r2) = positions
+    assert p2 == p1 + 1 and r1 >= 1.15 > r2
+
+
+def test_question_4s_answer_is_the_models_u():
+    """Question 4 (overlapped, the 48-gradient MLP, 10 Gbit/s, 2 ms per message): every
+    step the answer gives, per parameter, at a cap and in one bucket, is the model's, and
+    so is backward."""
+    page, model, workload = _page_and_model("mlp_1024x24")
+    answer = _answer(page, 4)
+
+    def ms(layout: str) -> int:
+        s = anatomy.step(workload, model["layouts"][layout], "overlapped", 10.0, 2e-3, 1)
+        return round(s.step_s * 1e3)
+
+    per_parameter = re.search(r"(\d+) ms with one parameter per bucket", answer)
+    one_bucket = re.search(r"(\d+) ms in one bucket", answer)
+    caps = re.findall(r"(\d+) ms at (\d+) MiB", answer)
+    backward = re.search(r"backward's (\d+)", answer)
+    assert per_parameter and one_bucket and caps and backward, answer
+    assert int(per_parameter.group(1)) == ms("per_parameter")
+    assert int(one_bucket.group(1)) == ms("100") == ms(model["cap_groups"][-1]["layout"])
+    for step, cap in caps:
+        assert int(step) == ms(cap), f"{cap} MiB"
+    assert int(backward.group(1)) == round(workload.backward_s * 1e3)
+
+
+def test_the_bucketed_pages_table_is_the_models():
+    """The bucketed page's table (the 48-gradient MLP at 10 Gbit/s and 2 ms per message:
+    one parameter per bucket, 10 MiB, 25 MiB, one bucket) is the step model's, row by row."""
+    from pathlib import Path
+
+    _, model, workload = _page_and_model("mlp_1024x24")
+    page = (Path(__file__).resolve().parent.parent / "docs/stages/bucketed.md").read_text()
+    layouts = ["per_parameter", "10", "25", "100"]
+    header = (
+        "| 10 Gbit/s, 2 ms per message | one parameter per bucket | 10 MiB | 25 MiB | one bucket |"
+    )
+    assert header in page
+    for stage in ("bucketed", "overlapped"):
+        row = re.search(rf"^\| {stage}, ms \| (.*) \|$", page, re.M)
+        assert row, f"the table has no {stage} row"
+        shown = [int(cell) for cell in row.group(1).split(" | ")]
+        model_ms = [
+            round(anatomy.step(workload, model["layouts"][key], stage, 10.0, 2e-3, 1).step_s * 1e3)
+            for key in layouts
+        ]
+        assert shown == model_ms, stage

@@ -113,7 +113,7 @@ def test_compare_warns_where_its_figures_are_noise():
 
 
 def test_course_pairs_stack_collectives_in_flight_at_once():
-    from profiling.course.pairs import collective_rows
+    from profiling.analysis import step_timeline
 
     def event(name: str, ts: float, dur: float, tid: int) -> dict:
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
@@ -129,7 +129,7 @@ def test_course_pairs_stack_collectives_in_flight_at_once():
         event("gloo:all_reduce", 1700, 500, 3),
         event("gloo:all_reduce", 2100, 100, 2),
     ]}  # fmt: skip
-    rows = collective_rows(trace, 7)
+    rows = step_timeline(trace, 7)["collective_rows"]
     assert rows == [[(0.1, 0.5), (0.55, 0.65), (0.7, 1.0)], [(0.2, 0.6)]]
 
 

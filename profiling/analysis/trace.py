@@ -13,6 +13,7 @@ from profiling.analysis.formats import (
     PROFILER_STEP,
     check_format,
     complete_events,
+    is_collective,
     main_thread,
     span,
 )
@@ -150,4 +151,32 @@ def step_timeline(trace: dict, step: int) -> dict:
         "waiting": rel(clip(waiting, lo, hi)),
         "communication": rel(s.communication),
         "streams": {},
+        # Each collective its own bar, and when the main thread issued each all-reduce:
+        # a figure shows the launches one by one, not one bar of "something in flight".
+        "collective_rows": [rel(row) for row in collective_rows(trace, (lo, hi))],
+        "launches": [
+            (e["ts"] - lo) / 1e3
+            for e in parsed.main_spans
+            if e.get("name", "").startswith(LAUNCH_SPAN) and lo <= e["ts"] < hi
+        ],
     }
+
+
+LAUNCH_SPAN = "allreduce "  # the stages' span around each all-reduce they issue (ddp/spans)
+
+
+def collective_rows(trace: dict, window: Interval) -> list[list[Interval]]:
+    """Every collective in flight within `window`, each cut to it but not merged with the
+    others, stacked into as few rows as keep each row's bars apart (Gloo runs two
+    collectives of one group at once: two rows)."""
+    lo, hi = window
+    rows: list[list[Interval]] = []
+    for start, end in sorted(span(e) for e in complete_events(trace) if is_collective(e)):
+        bar = (max(start, lo), min(end, hi))
+        if bar[0] >= bar[1]:
+            continue
+        row = next((r for r in rows if r[-1][1] <= bar[0]), None)
+        if row is None:
+            rows.append(row := [])
+        row.append(bar)
+    return rows

@@ -4,6 +4,9 @@ names the command that remakes it (`python -m profiling.course.<module> --help`)
 - `timelines`, `pairs`: each stage's traced step on the shaped cluster;
 - `simulated_steps`: the same steps as the step model draws them;
 - `anatomy`: the data behind the page with sliders;
+- `numbers`, `numbers_measure`: every figure the pages quote about the course's MLP, and
+  the time of every command they give, measured by one command and rendered into the
+  pages by the docs build;
 - `ring_figure`, `drawings`: schematics no trace can show;
 - `tensorboard_screenshot`: TensorBoard over traced runs;
 - `backward_path`: which stage's method runs at each point of one gradient's path, the

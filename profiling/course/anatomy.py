@@ -4,41 +4,39 @@
     python -m profiling.course.anatomy --docs      # the docs' own: docs/js/anatomy-workload.js
                                             # and docs/images/bucket-curve.png
     python -m profiling.course.anatomy --docs --from-page   # the same from the compute
-                                            # measured there, its layouts laid out again
+                                            # in the page's data, its layouts laid out again
 
 The page draws one optimizer step of naive, bucketed, overlapped or skip_sync on two
 ranks, for either of two MLPs and any bandwidth, per-message latency, `bucket_cap_mb`
 and number of micro-batches. It computes the step in the browser (docs/js/anatomy.js) with the step
 model's event loop (`profiling.simulate.schedule.simulate`, with no sharing: backward
-runs at its own speed whatever is in flight), from what this command measures and
-writes: two MLPs at 128 samples per rank (the course's, 2048 x 7, 14 gradients in
-96 MiB; and 1024 x 24, 48 gradients in 92 MiB, about the same compute) timed on one
-process here
-(`profiling.simulate.cpu_cluster.inputs.measure_workload`: forward, backward, each gradient's
-ready time, optimizer) and the stages' bucket layout at each cap. `step` below is the
+runs at its own speed whatever is in flight), from what this command writes: two MLPs at
+128 samples per rank (the course's, 2048 x 7, 14 gradients in 96 MiB; and 1024 x 24, 48
+gradients in 92 MiB, about the same compute), their compute as `profiling.course.numbers`
+measured it (forward, backward, each gradient's ready time, optimizer; read from
+--numbers, so the sliders and every page quote one measurement), and the stages' bucket
+layout at each cap. `step` below is the
 same computation in Python; the docs' browser test checks the page against it on a grid.
 
 The cost of one all-reduce on 2 ranks (a ring): 2(p - 1) = 2 messages, each paying the
 per-message latency, and 2(p - 1)/p = 1 times its bytes through each rank's link.
 
 The figure: step time against `bucket_cap_mb` for bucketed and overlapped, with and
-without per-message latency, on the 48-gradient MLP. About 15 s (the measurement).
+without per-message latency, on the 48-gradient MLP. It measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
 
-from ddp.config import Config
-from ddp.heap import steady_heap
 from profiling.common import report
-from profiling.simulate.cpu_cluster.inputs import measure_workload
+from profiling.course import quoted
+from profiling.simulate.cpu_cluster.inputs import workload_from_json
 from profiling.simulate.layouts import uniform_buckets
 from profiling.simulate.outputs import repository_docs
 from profiling.simulate.schedule import (
@@ -55,7 +53,7 @@ from stages.auto_bucket import CANDIDATES_MB
 # The course's MLP (course_timelines'), and one of about the same gradient bytes and
 # compute cut into 48 gradients instead of 14, where per-message latency shows.
 MODELS = {
-    "mlp_2048x7": {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128},
+    "mlp_2048x7": quoted.MLP,
     "mlp_1024x24": {"model": "mlp", "width": 1024, "depth": 24, "batch_size": 128},
 }
 CURVE_MODEL = "mlp_1024x24"
@@ -235,9 +233,13 @@ def main(argv: list[str] | None = None) -> None:
         "--docs", action="store_true", help="refresh the docs' own data and figure instead"
     )
     parser.add_argument(
+        "--numbers", type=Path, default=quoted.DATA,
+        help="the measured compute: profiling.course.numbers' file (default: the docs' own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--from-page", action="store_true",
-        help="measure nothing: take the compute measured in the docs' page data, and lay "
-        "out its buckets again (with --docs, rewriting the page data in place)",
+        help="take the compute in the docs' page data instead, and lay out its buckets "
+        "again (with --docs, rewriting the page data in place)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     docs = repository_docs() if args.docs or args.from_page else None
@@ -246,9 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         page = read_page_data(docs / "js" / "anatomy-workload.js")["models"]
         workloads = {name: from_json(page[name]) for name in MODELS}
     else:
-        print("measuring the MLPs' compute on one process ...", file=sys.stderr, flush=True)
-        steady_heap()  # as the benchmark's ranks hold the heap
-        workloads = {name: measure_workload(Config(**m), RANKS) for name, m in MODELS.items()}
+        measured = quoted.load(args.numbers, "workloads")["workloads"]
+        workloads = {name: workload_from_json(measured[name]) for name in MODELS}
     data = to_json(workloads)
     scripts.mkdir(parents=True, exist_ok=True)
     script = scripts / "anatomy-workload.js"

@@ -35,8 +35,6 @@ from ddp.config import parse_config
 from ddp.dist import setup_process_group, teardown_process_group
 from ddp.train import train
 from profiling.analysis import analyse_runs, read_logdir, step_timeline
-from profiling.analysis.formats import complete_events, is_collective, span
-from profiling.analysis.trace import parse
 from profiling.common import report
 from profiling.common.charts import COLOURS
 from profiling.course.timelines import (
@@ -45,6 +43,7 @@ from profiling.course.timelines import (
     TRACING,
     WIDTH_IN,
     WORKLOAD,
+    comm_labels,
     save_lanes,
 )
 from stages import STAGES
@@ -167,23 +166,6 @@ def run(logdir: Path) -> None:
         subprocess.run([*cluster, "down"], check=True)
 
 
-def collective_rows(trace: dict, step: int) -> list[list[tuple[float, float]]]:
-    """Every collective in flight during `step`, in ms from the step's start, stacked into
-    as few rows as keep each row's bars apart (two at once: two rows)."""
-    lo, hi = next(s.window for s in parse(trace).steps if s.number == step)
-    rows: list[list[tuple[float, float]]] = []
-    for start, end in sorted(span(e) for e in complete_events(trace) if is_collective(e)):
-        a, b = max(start, lo), min(end, hi)  # each bar cut to the step, not merged
-        if a >= b:
-            continue
-        bar = ((a - lo) / 1e3, (b - lo) / 1e3)
-        row = next((r for r in rows if r[-1][1] <= bar[0]), None)
-        if row is None:
-            rows.append(row := [])
-        row.append(bar)
-    return rows
-
-
 def draw(logdir: Path, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     plt.rcParams.update({"font.size": FONT_PT, "svg.fonttype": "none"})  # text stays text
@@ -198,7 +180,8 @@ def draw(logdir: Path, out: Path) -> list[Path]:
         for v in variants:
             step = results[v].median.step
             trace = traces[v][0]
-            drawn.append((v, step_timeline(trace, step), collective_rows(trace, step)))
+            timeline = step_timeline(trace, step)
+            drawn.append((v, timeline, timeline["collective_rows"]))
         height_in = sum(1.0 + 0.45 * len(rows) for _, _, rows in drawn) + 1.2
         fig, axes = plt.subplots(len(drawn), 1, figsize=(WIDTH_IN, height_in), sharex=True,
                                  height_ratios=[2 + len(rows) for _, _, rows in drawn])  # fmt: skip
@@ -208,7 +191,7 @@ def draw(logdir: Path, out: Path) -> list[Path]:
             for i, row in enumerate(rows):
                 ax.broken_barh(report.bars(row), (-1.35 - i, 0.7), color=COLOURS["gloo"],
                                edgecolor="white", linewidth=0.8)  # fmt: skip
-            names = ["comm"] + [""] * (len(rows) - 1) if rows else []
+            names = comm_labels(len(rows))
             ax.set_yticks([0, *(-1 - i for i in range(len(rows)))], ["compute", *names])
             ax.set_ylim(-len(rows) - 0.6, 0.6)
             ax.set_title(f"{VARIANTS[v].label}: {timeline['step_ms']:.0f} ms", loc="left")

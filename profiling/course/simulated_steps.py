@@ -5,31 +5,30 @@ on the virtual CPU cluster, in the two lanes the stage pages draw the traced ste
 
 The workload is the one `profiling.course.timelines` traces (the benchmarks' MLP,
 2048 x 7, at 128 samples per rank; skip_sync with 4 micro-batches per step), its compute
-measured here on one process with one thread (`inputs.measure_workload`), so each page
-can set the model's step beside the measured one. The collective cost, the slowdowns
-and the cost per byte of a pass over the gradients (the validation MLP's 16 MiB; this
-one has 96 MiB) come from a validation's calibration on the same cluster (1 Gbit/s,
-2 ranks), read from its JSON (`validate --json`); nothing else is run.
+as `profiling.course.numbers` measured it on one process with one thread (read from
+--numbers), so each page can set the model's step beside the measured one. The
+collective cost, the slowdowns and the cost per byte of a pass over the gradients (the
+validation MLP's 16 MiB; this one has 96 MiB) come from a validation's calibration on
+the same cluster (1 Gbit/s, 2 ranks), read from its JSON (`validate --json`); nothing
+is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-from ddp.config import Config
-from ddp.heap import steady_heap
 from profiling.common.report import read_json
+from profiling.course import quoted
 from profiling.simulate import outputs
 from profiling.simulate.cpu_cluster.calibration import Calibration, calibration_path
-from profiling.simulate.cpu_cluster.inputs import measure_workload
+from profiling.simulate.cpu_cluster.inputs import workload_from_json
 from profiling.simulate.cpu_cluster.predict import calibration_for, layout
 from profiling.simulate.gantt import draw
 from profiling.simulate.schedule import Step, simulate
 
-MODEL = {"model": "mlp", "width": 2048, "depth": 7, "batch_size": 128}
+MODEL = quoted.MLP
 BUCKET_CAP_MB = 25.0  # the stages' default, as the traced runs used
 ACCUMULATION_STEPS = 4
 STAGES = ("naive", "bucketed", "overlapped", "skip_sync")
@@ -78,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a validation's JSON (validate --json): its calibration at --rate, --world-size "
         "(default: the docs' own in this checkout)",
     )  # fmt: skip
+    parser.add_argument(
+        "--numbers", type=Path, default=quoted.DATA,
+        help="the measured compute: profiling.course.numbers' file (default: the docs' own)",
+    )  # fmt: skip
     parser.add_argument("--rate", default="1gbit", help="(default: 1gbit)")
     parser.add_argument("--world-size", type=int, default=2, help="(default: 2)")
     outputs.add_arguments(parser)
@@ -93,9 +96,8 @@ def run(args: argparse.Namespace) -> None:
     except KeyError as e:
         raise SystemExit(f"{path}: {e.args[0]}; pass --rate and --world-size") from None
     calibration = Calibration.from_json(found)
-    print("measuring the workload's compute ...", file=sys.stderr, flush=True)
-    steady_heap()  # the heap as the benchmark's and the calibration's ranks hold it
-    workload = measure_workload(Config(**MODEL), args.world_size)
+    measured = quoted.load(args.numbers, "workloads")["workloads"]
+    workload = workload_from_json(measured["mlp_2048x7"])
     steps = simulate_stages(workload, calibration)
     if args.no_files:  # print only
         for stage, step in steps.items():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from profiling.analysis import analyse_runs, read_logdir, step_timeline
@@ -98,7 +99,9 @@ def draw(logdir: Path, out: Path) -> list[Path]:
     written = []
     for stage in STAGES:
         ranks = sorted((r for r in results if r.run == stage), key=lambda r: r.rank)
-        fig, ax = plt.subplots(figsize=(WIDTH_IN, 0.55 * 2 * len(ranks) + 1.5))
+        rows = sum(1 + len(step_timeline(traces[stage][r.rank], r.median.step)
+                           ["collective_rows"]) for r in ranks)  # fmt: skip
+        fig, ax = plt.subplots(figsize=(WIDTH_IN, 0.55 * rows + 1.5))
         ticks, labels, y = [], [], 0.0
         for r in ranks:
             t = step_timeline(traces[stage][r.rank], r.median.step)
@@ -106,32 +109,45 @@ def draw(logdir: Path, out: Path) -> list[Path]:
                 ax.broken_barh(report.bars(intervals), (y - 0.35, 0.7), color=COLOURS[phase])
             ticks.append(y)
             labels.append(f"rank {r.rank} compute")
+            # Each launch, a mark under the compute lane; each collective its own bar,
+            # a second row where Gloo ran two at once.
+            ax.plot(t["launches"], [y - 0.5] * len(t["launches"]), "v", color="black",
+                    markersize=5, linestyle="none")  # fmt: skip
             y -= 1
-            ax.broken_barh(
-                report.bars(t["communication"]),
-                (y - 0.35, 0.7),
-                color=COLOURS["gloo"],
-                edgecolor="white",  # so back-to-back all-reduces show as separate bars
-                linewidth=0.8,
-            )
-            ticks.append(y)
-            labels.append(f"rank {r.rank} comm")
-            y -= 1.4
+            for row, name in zip(t["collective_rows"], comm_labels(len(t["collective_rows"])),
+                                 strict=True):  # fmt: skip
+                ax.broken_barh(report.bars(row), (y - 0.35, 0.7), color=COLOURS["gloo"],
+                               edgecolor="white", linewidth=0.8)  # fmt: skip
+                ticks.append(y)
+                labels.append(f"rank {r.rank} {name}")
+                y -= 1
+            y -= 0.4
         ax.set_yticks(ticks, labels)
         ax.set_xlabel("ms from the start of the step (each rank's median traced step)")
         ax.set_title(CAPTIONS[stage], loc="left")
         ax.grid(axis="x", alpha=0.3)
-        written.append(save_lanes(fig, out / f"timeline-{stage}.svg", "all-reduce in flight"))
+        written.append(
+            save_lanes(fig, out / f"timeline-{stage}.svg", "all-reduce in flight", launches=True)
+        )
     return written
 
 
-def save_lanes(fig, path: Path, communication: str) -> Path:
+def comm_labels(rows: int) -> list[str]:
+    """The communication rows' labels: `comm`, or `comm 1`, `comm 2` where Gloo ran two
+    collectives at once and their bars take two rows."""
+    return ["comm"] if rows == 1 else [f"comm {i + 1}" for i in range(rows)]
+
+
+def save_lanes(fig, path: Path, communication: str, launches: bool = False) -> Path:
     """The lanes' legend under `fig` (the phases, and `communication` for its bars),
     then `fig` saved to `path` and closed."""
-    handles = [
-        Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")
-    ] + [Patch(color=COLOURS["gloo"], label=communication)]
-    fig.legend(handles=handles, loc="lower center", ncols=4, frameon=False)
+    handles = [Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "optimizer")] + [
+        Patch(color=COLOURS["gloo"], label=communication)
+    ]
+    if launches:
+        handles.append(Line2D([], [], marker="v", color="black", linestyle="none",
+                              label="launched"))  # fmt: skip
+    fig.legend(handles=handles, loc="lower center", ncols=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend
     fig.savefig(path)
     plt.close(fig)
