@@ -113,9 +113,24 @@ def test_model_crossover_of_ring_and_tree() -> None:
 
 def test_the_docs_figure_redrawn_from_its_json_is_legible(tmp_path, monkeypatch) -> None:
     from profiling.collectives import cli
+    from profiling.common import report
     from tests.figures import assert_legible, record_font_sizes
 
     sizes = record_font_sizes(monkeypatch)
+    saved = []  # the figure, as it is saved: where its legend lies
+    real_save = report.save_figure
+
+    def save(fig, path):
+        fig.canvas.draw()
+        saved.append(
+            (
+                fig.legends[0].get_window_extent(),
+                [a.get_window_extent() for a in fig.axes if a.get_visible()],
+            )
+        )
+        return real_save(fig, path)
+
+    monkeypatch.setattr(report, "save_figure", save)
     png, md = tmp_path / "c.png", tmp_path / "c.md"
     results = ROOT / "docs" / "results"
     cli.main(
@@ -123,6 +138,9 @@ def test_the_docs_figure_redrawn_from_its_json_is_legible(tmp_path, monkeypatch)
     )
     assert_legible(png, sizes)
     assert md.read_text() == (results / "collectives.md").read_text()  # the numbers unchanged
+    # One legend for the many panels, above the first: a reader meets it before the plots.
+    ((legend, panels),) = saved
+    assert legend.y0 >= max(panel.y1 for panel in panels)
 
 
 def test_a_small_sweep_on_loopback(tmp_path: Path) -> None:

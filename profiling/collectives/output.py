@@ -345,15 +345,16 @@ def plot(analysis: dict, path: str) -> None:
         ax.set_ylabel("all-reduce time, ms (slowest rank)", fontsize=font)
         ax.tick_params(axis="y", labelsize=font)
         ax.grid(alpha=0.3, which="both")
-    # One legend for every panel, below them: the algorithms' colours are the same in each.
+    # One legend for every panel, above them, where a reader of the first panel sees it:
+    # the algorithms' colours are the same in each.
     legend = {}
     for ax in axes.flat[: len(keys)]:
         legend.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
     labels = _algorithms(legend)
-    fig.legend([legend[a] for a in labels], labels, fontsize=font, loc="lower center",
+    fig.legend([legend[a] for a in labels], labels, fontsize=font, loc="upper center",
                ncols=len(labels), title="dashed: fitted model; X: crosses the ring",
                title_fontsize=font)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / fig.get_figheight()))
     report.save_figure(fig, path)
     plt.close(fig)
 
