@@ -23,6 +23,12 @@ per rank in OUT/<variant>/ (TensorBoard's PyTorch Profiler tab, or Perfetto; and
 rank 0: graphs compiled, and per step (median over steps) when the first and the last
 bucket left, as a share of backward's time (from loss.backward() to its return), and the
 step time. Nothing is written but OUT (default runs/compile-overlap) and --figure.
+
+`--versus R` instead compares the drop-in with torch's DDP, both compiled with the cuts, in
+R interleaved rounds of --steps untraced steps each (after --warmup steps of each): the
+same machine's noise falls on both sides of a round, so the ratio per round compares.
+Printed by rank 0: each side's median step (the slowest rank's) and the ratio's median
+and range over rounds.
 """
 
 from __future__ import annotations
@@ -115,6 +121,55 @@ def run_variant(variant: str, args: argparse.Namespace, out: Path) -> dict:
     }
 
 
+def versus(args: argparse.Namespace) -> dict:
+    """The drop-in against torch's DDP, both compiled with graph cuts at buckets, in
+    `args.versus` interleaved rounds: per round, --steps steps of one, then of the other
+    (the order alternating), each step the slowest rank's time from a barrier."""
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = True
+    sides = {}
+    for name, DDP in (("drop_in", DropInDDP), ("torch", TorchDDP)):
+        ddp = DDP(torch.compile(_model(args.layers, args.width), backend=aot_eager),
+                  bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
+        sides[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    data = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch_size, args.width, generator=data)
+    y = torch.randn(args.batch_size, args.width, generator=data)
+
+    def step(name: str) -> float:
+        ddp, optimizer = sides[name]
+        dist.barrier()
+        start = time.perf_counter()
+        F.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's
+        return seconds.item() * 1e3
+
+    for name in sides:
+        for _ in range(args.warmup):
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    ratios = []
+    for r in range(args.versus):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        medians = {}
+        for name in order:
+            ms = [step(name) for _ in range(args.steps)]
+            times[name] += ms
+            medians[name] = statistics.median(ms)
+        ratios.append(medians["drop_in"] / medians["torch"])
+    return {
+        "drop_in_ms": statistics.median(times["drop_in"]),
+        "torch_ms": statistics.median(times["torch"]),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": args.versus,
+    }
+
+
 def _time_launches(ddp: nn.Module, launches: list[float]) -> None:
     """Note when each bucket's all-reduce is launched (torch's DDP: its comm hook)."""
     if hasattr(ddp, "_send"):
@@ -161,25 +216,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (5)")
     parser.add_argument("--out", type=Path, default=Path("runs/compile-overlap"))
     parser.add_argument("--figure", type=Path, help="a PNG of the launch shares")
+    parser.add_argument("--versus", type=int, metavar="R",
+                        help="compare the drop-in with torch's DDP, both compiled with cuts, "
+                        "in R interleaved rounds (nothing traced)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.versus is not None and args.versus < 1:
+        parser.error(f"--versus {args.versus}: run at least 1 round")
     setup_process_group("gloo")
     try:
-        rows = [run_variant(v, args, args.out) for v in VARIANTS]
+        if args.versus:
+            result = versus(args)
+        else:
+            rows = [run_variant(v, args, args.out) for v in VARIANTS]
     finally:
         teardown_process_group()
-    if int(os.environ["RANK"]) == 0:
-        print(f"{args.ddp}, {args.layers} layers of {args.width}, {args.bucket_cap_mb} MiB buckets")
-        print("| variant | graphs | first bucket leaves | last leaves | step ms |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['variant']} | {r['graphs']} | {r['first']:.2f} | {r['last']:.2f} "
-                f"| {r['step_ms']:.0f} |"
-            )
-        print(f"traces: {args.out}/<variant>/ (tensorboard --logdir {args.out})")
-        if args.figure:
-            figure(rows, args.figure)
-            print(f"figure: {args.figure}")
+    if int(os.environ["RANK"]) != 0:
+        return
+    if args.versus:
+        print(
+            f"compiled, cut at buckets: {args.layers} layers of {args.width}, "
+            f"{args.bucket_cap_mb} MiB buckets, {args.versus} rounds of {args.steps} steps"
+        )
+        print(
+            f"drop_in {result['drop_in_ms']:.1f} ms, torch's DDP {result['torch_ms']:.1f} ms; "
+            f"drop_in / torch per round: median {result['ratio']:.3f} "
+            f"({result['ratio_min']:.3f}-{result['ratio_max']:.3f})"
+        )
+        return
+    print(f"{args.ddp}, {args.layers} layers of {args.width}, {args.bucket_cap_mb} MiB buckets")
+    print("| variant | graphs | first bucket leaves | last leaves | step ms |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['graphs']} | {r['first']:.2f} | {r['last']:.2f} "
+            f"| {r['step_ms']:.0f} |"
+        )
+    print(f"traces: {args.out}/<variant>/ (tensorboard --logdir {args.out})")
+    if args.figure:
+        figure(rows, args.figure)
+        print(f"figure: {args.figure}")
 
 
 if __name__ == "__main__":
