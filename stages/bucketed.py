@@ -13,6 +13,9 @@ until backward has finished.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,6 +26,15 @@ from stages.naive import NaiveDDP
 
 
 # --8<-- [start:construction]
+class Copies(NamedTuple):
+    """How one bucket's gradients go into its buffer and its averages back into `.grad`:
+    functions of the bucket alone, so that the wrapper, which keeps them, holds no
+    reference to itself (a cycle would keep a model its user dropped alive)."""
+
+    copy_in: Callable[[Bucket], None]
+    unload: Callable[[Bucket], None]
+
+
 class BucketedDDP(NaiveDDP):
     """Stage 2: one all-reduce per bucket of gradients, after backward."""
 
@@ -43,6 +55,14 @@ class BucketedDDP(NaiveDDP):
         on. A later stage may lay them out again, or extend this to give them room or a
         dtype of their own first."""
         self.buckets, self.bucket_cap_mb = buckets, bucket_cap_mb
+        # How each bucket's gradients go in and its averages come out, chosen here, once
+        # per bucket, rather than asked at every step.
+        self._copies = [self._copies_for(bucket) for bucket in buckets]
+
+    def _copies_for(self, bucket: Bucket) -> Copies:
+        """The copies in and out of `bucket`: this stage's two (below), for every bucket; a
+        later stage may choose others for some buckets, by their layout or its options."""
+        return Copies(self._copy_in, self._unload)
 
     # --8<-- [end:construction]
 
@@ -57,7 +77,7 @@ class BucketedDDP(NaiveDDP):
             self._fill(bucket, divisor)
             with span(bucket.span):
                 dist.all_reduce(bucket.buffer, group=self.process_group)
-            self._unload(bucket)
+            self._copies[bucket.index].unload(bucket)
 
     def _grad_divisor(self) -> int:
         return self.world_size  # the sum over ranks of g / W is the mean
@@ -65,11 +85,12 @@ class BucketedDDP(NaiveDDP):
     def _fill(self, bucket: Bucket, divisor: int) -> None:
         """The bucket's buffer := its gradients / divisor (sum of g/W = mean, as torch's
         reducer divides): a copy of all of them, then one division of the flat buffer."""
-        self._copy_in(bucket)
+        self._copies[bucket.index].copy_in(bucket)
         if divisor != 1:  # a pass over the buffer for nothing
             bucket.buffer.div_(divisor)
 
-    def _copy_in(self, bucket: Bucket) -> None:
+    @staticmethod
+    def _copy_in(bucket: Bucket) -> None:
         """The gradients into the bucket's buffer: one foreach copy, one call for the whole
         bucket. A sparse gradient's bucket holds it alone: its buffer is a copy of it."""
         if bucket.sparse:
@@ -77,7 +98,8 @@ class BucketedDDP(NaiveDDP):
             return
         torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
 
-    def _unload(self, bucket: Bucket) -> None:
+    @staticmethod
+    def _unload(bucket: Bucket) -> None:
         """The averages, from the bucket back into `.grad`: one foreach copy."""
         if bucket.sparse:  # a new tensor, not the bucket's, which the next step reuses
             bucket.params[0].grad = bucket.buffer.clone()

@@ -54,9 +54,10 @@ class CommHooksDDP(RebuiltBucketsDDP):
             )
         self._comm_hook, self._comm_state = hook, state
         if self._backward.prepared:  # after a forward, before its backward
-            # What the hook changes in the step forward prepared: no division, and the
-            # status in an all-reduce of its own.
+            # What the hook changes in the step forward prepared: no division, the buckets
+            # sent through it, and the status in an all-reduce of its own.
             self._backward.divisor = self._grad_divisor()
+            self._backward.send = self._sender()
             self._route_status()
 
     def _grad_divisor(self) -> int:
@@ -66,9 +67,13 @@ class CommHooksDDP(RebuiltBucketsDDP):
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _send(self, bucket: Bucket) -> dist.Work | torch.futures.Future:
-        if self._comm_hook is None:
-            return super()._send(bucket)
+    def _sender(self) -> str:
+        # Chosen at forward, once per step: with a hook, every bucket goes through it.
+        return "_send_through_hook" if self._comm_hook is not None else super()._sender()
+
+    def _send_through_hook(self, bucket: Bucket) -> torch.futures.Future:
+        """The bucket through the hook: a future of the averaged flat bucket, which is
+        written back into the bucket when it is done."""
         in_flight = self._backward.in_flight
         if in_flight:  # one hook at a time: see the module docstring
             in_flight[-1][1].wait()

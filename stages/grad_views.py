@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ddp.buckets import Bucket
+from stages.bucketed import Copies
 from stages.buffers import BuffersDDP
 
 
@@ -29,17 +30,23 @@ class GradViewsDDP(BuffersDDP):
     """Stage 8: `gradient_as_bucket_view`: gradients live in the bucket buffers."""
 
     def __init__(self, module: nn.Module, *, gradient_as_bucket_view: bool = False, **options):
-        super().__init__(module, **options)
+        # Set before super(): the buckets choose their copies (below) as they are made.
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        super().__init__(module, **options)
+
+    def _copies_for(self, bucket: Bucket) -> Copies:
+        # Chosen once per bucket: a sparse gradient is no view.
+        if not self.gradient_as_bucket_view or bucket.sparse:
+            return super()._copies_for(bucket)
+        return Copies(self._copy_in_views, self._unload_views)
 
     # --8<-- [end:construction]
 
     # --8<-- [start:backward]
-    def _copy_in(self, bucket: Bucket) -> None:
-        if not self.gradient_as_bucket_view or bucket.sparse:  # a sparse gradient is no view
-            super()._copy_in(bucket)
-            return
-        # Autograd summed the gradients into the bucket itself: only fresh ones are copied.
+    @staticmethod
+    def _copy_in_views(bucket: Bucket) -> None:
+        """Autograd summed the gradients into the bucket itself: only fresh ones are
+        copied."""
         for param, view in zip(bucket.params, bucket.views, strict=True):
             grad = param.grad
             if grad is None:  # missing here (stage missing_grads): adds zero to the sum
@@ -53,10 +60,10 @@ class GradViewsDDP(BuffersDDP):
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
-    def _unload(self, bucket: Bucket) -> None:
-        if self.gradient_as_bucket_view and not bucket.sparse and self._all_arrived:
-            return  # every .grad already is its view: the average is in place
-        super()._unload(bucket)
+    @staticmethod
+    def _unload_views(bucket: Bucket) -> None:
+        """Nothing: every .grad already is its view, and the average is in place. (Where
+        a gradient is missing here, the averages go out one by one: `_unload_one`.)"""
 
     def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
         if self.gradient_as_bucket_view and param.grad is not None and not average.is_sparse:

@@ -25,7 +25,7 @@ all-reduces per forward inside the context manager (three when buffers are
 broadcast: the ranks agree on a source that has not left), none outside it.
 
 The shadow step keeps two counters of earlier stages as a real step would: stage
-rebuilt_buckets' `_synced_backwards` (a shadowed backward counts, so the ranks rebuild
+overlapped's `_synced_backwards` (a shadowed backward counts, so the ranks rebuild
 together) and stage buffers' `require_forward_param_sync` (whether the next forward
 broadcasts buffers).
 """
@@ -141,7 +141,7 @@ class JoinDDP(RoundRobinDDP, Joinable):
         backward.arrived.extend(everything)
         for bucket in self.buckets:  # the last, with the status
             bucket.buffer.zero_()
-            backward.in_flight.append((bucket, self._send(bucket)))
+            backward.in_flight.append((bucket, getattr(self, backward.send)(bucket)))
         status = self._status  # the end of backward's protocol (stage missing_grads)
         if not status.rides:
             status.send(self, everything)

@@ -108,6 +108,25 @@ class MissingGradsDDP(SkipSyncDDP):
             self._status.ride(self, bucket, self._backward.arrived)
         return super()._send(bucket)
 
+    @staticmethod
+    def _copy_in(bucket: Bucket) -> None:
+        # Replaces stage bucketed's copy (the same one foreach copy when nothing is
+        # missing, as it is in the common case) with one that takes a missing gradient.
+        grads = [p.grad for p in bucket.params]
+        if not any(map(_is_none, grads)):
+            if bucket.sparse:
+                bucket.buffer = grads[0].clone()
+            else:
+                torch._foreach_copy_(bucket.views, grads)
+            return
+        for grad, view in zip(grads, bucket.views or [bucket.buffer], strict=True):
+            if grad is None:  # missing here: adds zero to the sum, and we raise after it
+                view.zero_()
+            elif bucket.sparse:
+                bucket.buffer = grad.clone()
+            else:
+                view.copy_(grad)
+
     # --8<-- [end:backward]
 
     # --8<-- [start:finish]
@@ -118,34 +137,26 @@ class MissingGradsDDP(SkipSyncDDP):
         self._all_arrived = len(ready) == len(self.named_trainable)
         # Complete every bucket, so that every rank issues the same all-reduces in the
         # same order and none can hang: what did not come adds the gradient the parameter
-        # already holds (from no_sync() micro-batches), else zeros (`_copy_in`, below).
+        # already holds (from no_sync() micro-batches), else zeros (`_copy_in`, above).
         # The last one takes the status with it, counting what is missing.
         if backward.next_bucket < len(self.buckets):
             backward.complete()
             self._launch_ready_buckets()
+        if not self._all_arrived:  # the averages are copied out one by one, below
+            backward.unloads = False
         status = self._status
         if not status.rides:  # right after the last bucket, without waiting for it
             status.send(self, arrived)
-        super()._finish_backward()  # waits for every bucket and copies the averages out
+        super()._finish_backward()  # waits for every bucket (and copies the averages out)
+        if not backward.unloads:  # left in the buckets (by this stage or a later one)
+            for bucket, _ in backward.in_flight:
+                self._unload_each(bucket)
         status.settle(self)  # all zeros in the common case: done; else raises on every rank
 
-    def _copy_in(self, bucket: Bucket) -> None:
-        if not any(map(_is_none, [p.grad for p in bucket.params])):
-            super()._copy_in(bucket)
-            return
-        for param, view in zip(bucket.params, bucket.views or [bucket.buffer], strict=True):
-            if param.grad is None:  # missing here: adds zero to the sum, and we raise after it
-                view.zero_()
-            elif bucket.sparse:
-                bucket.buffer = param.grad.clone()
-            else:
-                view.copy_(param.grad)
-
-    def _unload(self, bucket: Bucket) -> None:
-        if self._all_arrived:
-            super()._unload(bucket)
-            return
-        for i, param in enumerate(bucket.params):  # what is missing here stays missing
+    def _unload_each(self, bucket: Bucket) -> None:
+        """The careful way out, when a gradient is missing here: each parameter's average
+        on its own, so that what is missing stays missing."""
+        for i, param in enumerate(bucket.params):
             self._unload_one(param, bucket.view_of(i))
 
     def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
@@ -158,12 +169,12 @@ class MissingGradsDDP(SkipSyncDDP):
         else:
             param.grad.copy_(average)
 
-    def _status_row(self, arrived: list[int]) -> list[int]:
-        """This rank's part of the status, one integer per column, from the positions of
-        the gradients that came in this backward so far (`arrived`, a list: a gradient
-        that came twice is there twice). What forward did not reach (the backward's
-        `unreached`, none here) counts as come, as it does for its bucket."""
-        return [len(self.named_trainable) - len(set(arrived).union(self._backward.unreached))]
+    def _status_row(self, missing: int, arrived: list[int]) -> list[int]:
+        """This rank's part of the status, one integer per column, given how many
+        gradients are `missing` (counted by `StatusExchange`) and the positions of those
+        that came in this backward so far (`arrived`, a list: a gradient that came twice is
+        there twice): the count alone here."""
+        return [missing]
 
     def _send_status(self, row: list[int]) -> tuple[torch.Tensor, dist.Work]:
         """The status summed over every rank in an all-reduce of its own, where it cannot
@@ -222,13 +233,15 @@ class StatusExchange:
     Forward makes one for the backward that follows (`_route_status`), knowing whether
     the status rides in the last bucket's all-reduce. Then `ride` writes the row into the
     last bucket's tail as it leaves, or `send` starts an all-reduce of its own, right
-    after the last bucket; after the buckets have landed, `settle` reads the sum and,
-    where it says something went wrong, exchanges the error rows and raises on every
-    rank. What the columns hold is the stages': `_status_row` (and `status_columns`,
-    `raising_columns`), `_error_row` (and `error_columns`), `_raise_on_every_rank`,
-    methods of the model each step passes in. It keeps no reference to the model: the model holds
-    it, and a cycle would keep a model its user dropped, and its process group, alive
-    until Python's cycle collector runs."""
+    after the last bucket; either counts the gradients missing so far (what forward did
+    not reach, the backward's `unreached`, counts as come, as it does for its bucket).
+    After the buckets have landed, `settle` reads the sum and, where it says something
+    went wrong, exchanges the error rows and raises on every rank. What the columns hold
+    is the stages': `_status_row` (and `status_columns`, `raising_columns`), `_error_row`
+    (and `error_columns`), `_raise_on_every_rank`, methods of the model each step passes
+    in. It keeps no reference to the model: the model holds it, and a cycle would keep a
+    model its user dropped, and its process group, alive until Python's cycle collector
+    runs."""
 
     def __init__(self, rides: bool):
         self.rides = rides  # in the last bucket's all-reduce, after the gradients
@@ -240,14 +253,16 @@ class StatusExchange:
 
     def ride(self, ddp: MissingGradsDDP, bucket: Bucket, arrived: list[int]) -> None:
         """This rank's row into the last bucket's tail, as the bucket leaves."""
-        self.told_ready = set(arrived)
-        for i, value in enumerate(ddp._status_row(arrived)):
+        self.told_ready = told = set(arrived)
+        missing = len(ddp.named_trainable) - len(told.union(ddp._backward.unreached))
+        for i, value in enumerate(ddp._status_row(missing, arrived)):
             bucket.status[i].fill_(value)  # a fill each, not a copy: on a GPU, no wait
 
     def send(self, ddp: MissingGradsDDP, arrived: list[int]) -> None:
         """This rank's row in an all-reduce of its own (`_send_status`), not waited for."""
-        self.told_ready = set(arrived)
-        self._alone = ddp._send_status(ddp._status_row(arrived))
+        self.told_ready = told = set(arrived)
+        missing = len(ddp.named_trainable) - len(told.union(ddp._backward.unreached))
+        self._alone = ddp._send_status(ddp._status_row(missing, arrived))
 
     def settle(self, ddp: MissingGradsDDP) -> None:
         """Once the buckets have landed: the status summed over the ranks (the same on

@@ -17,7 +17,9 @@ before it. Cost: the bucket order only approximates the order gradients are read
 What one backward needs (counts, arrivals, buckets in flight, the divisor) is one
 object, `Backward`, that forward makes and only this stage's hook and its own methods
 change. The end of backward also clears stage naive's `_awaiting_sync`: it did what
-naive's `finish_gradient_synchronization()` did.
+naive's `finish_gradient_synchronization()` did. What each bucket needs at its launch
+(its group) is fixed when the buckets are made, and what the sending does (`_sender`)
+once per step at forward, so that the path per bucket asks nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class OverlappedDDP(BucketedDDP):
         # The state of the backward after the last forward, made by that forward; before
         # the first, a finished one (a gradient then had no forward before it).
         self._backward = Backward.none_yet()
+        self._synced_backwards = 0  # synchronised backwards so far: the same on every rank
 
     def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
         for handle in getattr(self, "_hook_handles", []):  # the previous buckets' (if any)
@@ -59,6 +62,10 @@ class OverlappedDDP(BucketedDDP):
         self._position = {id(p): k for k, (_, p) in enumerate(self.named_trainable)}
         self._bucket_of = [0] * len(self.named_trainable)  # position k -> bucket index
         self._bucket_lengths = [len(b.params) for b in self.buckets]
+        # Per bucket, the group that all-reduces it (`_group_for`), fixed once per layout
+        # rather than asked at every launch: at the next forward, since a later stage's
+        # groups may exist only once its constructor has run.
+        self._bucket_groups: list[dist.ProcessGroup] | None = None
         # The hook holds this wrapper weakly. A tensor keeps its hooks from C++, where
         # Python's garbage collector cannot follow, so a strong reference would make a
         # cycle (parameter -> hook -> wrapper -> module -> parameter) that is never freed:
@@ -86,11 +93,14 @@ class OverlappedDDP(BucketedDDP):
     def _prepare_for_backward(self, syncs: bool = True) -> None:
         """The state of the backward that follows, made once here, in one object: the
         hooks and the end of backward read and change it, nothing else."""
+        if self._bucket_groups is None:  # the buckets are new: their groups, once
+            self._bucket_groups = [self._group_for(b.index) for b in self.buckets]
         self._backward = Backward(
             pending=self._pending_counts() if syncs else [],
             divisor=self._grad_divisor(),
             syncs=syncs,
             held=syncs and self._holds_buckets(),
+            send=self._sender(),
         )
 
     def _pending_counts(self) -> list[int]:
@@ -102,6 +112,12 @@ class OverlappedDDP(BucketedDDP):
         """Whether no bucket leaves before the end of this backward (never, here: each
         leaves once complete)."""
         return False
+
+    def _sender(self) -> str:
+        """The name of the method that sends each bucket of the backward that follows:
+        `_send` here. A later stage may name another of its own for a step; chosen once
+        at forward, so that no launch asks."""
+        return "_send"
 
     # --8<-- [end:forward]
 
@@ -156,18 +172,20 @@ class OverlappedDDP(BucketedDDP):
                 return
             bucket = buckets[backward.next_bucket]
             self._fill(bucket, backward.divisor)
-            backward.in_flight.append((bucket, self._send(bucket)))
+            backward.in_flight.append((bucket, getattr(self, backward.send)(bucket)))
             backward.next_bucket += 1
 
     def _send(self, bucket: Bucket) -> dist.Work:
         with span(bucket.span):
             return dist.all_reduce(
-                bucket.buffer, group=self._group_for(bucket.index), async_op=True
+                bucket.buffer, group=self._bucket_groups[bucket.index], async_op=True
             )
 
     def _group_for(self, index: int) -> dist.ProcessGroup:
-        """The group that all-reduces bucket `index`: one for all of them here. Any group
-        over the same ranks would do, as long as every rank picks the same one."""
+        """The group that all-reduces bucket `index`, asked once per bucket layout (at the
+        first forward after the buckets are made): the wrapper's process_group here, for
+        all of them. Any group over the same ranks would do, as long as every rank picks
+        the same one."""
         return self.process_group
 
     # --8<-- [end:backward]
@@ -178,12 +196,15 @@ class OverlappedDDP(BucketedDDP):
         and copy each one's averages out as it lands (while later ones still travel, as
         torch's reducer does)."""
         self._awaiting_sync = False  # stage naive's flag: this backward synchronised
+        self._synced_backwards += 1
         backward = self._backward
         backward.finished = True  # a second backward without a forward is caught
+        copies = self._copies
         with span("wait for communication"):
             for bucket, work in backward.in_flight:
                 work.wait()  # even on error below: leave no collective half-finished
-                self._unload(bucket)
+                if backward.unloads:
+                    copies[bucket.index].unload(bucket)
         if backward.next_bucket < len(self.buckets):  # a bucket never filled
             came = set(backward.arrived)
             missing = [n for k, (n, _) in enumerate(self.named_trainable) if k not in came]
@@ -211,13 +232,20 @@ class OverlappedDDP(BucketedDDP):
 class Backward:
     """One backward's state, made by the forward before it (`_prepare_for_backward`);
     what forward finds (`unreached`) it fills in before backward starts. From the first
-    gradient on, only the wrapper's hook and launches and `complete()` change it; the end
-    of backward reads it."""
+    gradient on, only the wrapper's hook and launches (through the method `send` names)
+    and `complete()` change it; the end of backward reads it, and may first turn
+    `unloads` off."""
 
     pending: list[int]  # per bucket, gradients still to come; <= 0: complete
     divisor: int  # each bucket is divided by it before it leaves (sum of g / W = mean)
     syncs: bool = True  # False: gradients stay in .grad, summed over backwards, unsent
     held: bool = False  # True: no bucket leaves until `complete()`
+    # The wrapper's method that sends each bucket (`_sender`), by name: the wrapper holds
+    # this state, and a method bound to the wrapper here would be a reference cycle.
+    send: str = "_send"
+    # False: the end of backward waits for every bucket but leaves the averages in it,
+    # for a later stage to copy out its own way (never, here).
+    unloads: bool = True
     # Positions counted as come when backward starts, without their hooks: none here; a
     # later stage's forward may find some (parameters its outputs do not lead to).
     unreached: list[int] = field(default_factory=list)

@@ -47,7 +47,6 @@ class RebuiltBucketsDDP(GradViewsDDP):
         super().__init__(module, **options)
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self._ready_order: list[int] = []  # positions in named_trainable, first ready first
-        self._synced_backwards = 0  # the same count on every rank
         self._rebuilt = False
 
     # --8<-- [end:construction]
@@ -61,6 +60,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
 
     def _before_synced_forward(self) -> None:
         """Collectives that come before a synchronising forward; every rank runs them."""
+        self._keep_ready_order()
         if not self._rebuilt and self._synced_backwards > 0 and self._order_is_static():
             self._rebuild_buckets(self._ready_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
             self._rebuilt = True
@@ -115,13 +115,19 @@ class RebuiltBucketsDDP(GradViewsDDP):
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
-    def _finish_backward(self) -> None:
-        if not self._rebuilt and not self._ready_order and self._order_is_static():
-            # As torch's reducer records it, once: what forward did not reach (stage
-            # unused_params marks it ready at the first gradient), then as they came.
-            self._ready_order = [*self._backward.unreached, *self._backward.arrived]
-        self._synced_backwards += 1
-        super()._finish_backward()
+    def _prepare_for_backward(self, syncs: bool = True) -> None:
+        self._keep_ready_order()  # before the backward that ended gives way to the next
+        super()._prepare_for_backward(syncs)
+
+    def _keep_ready_order(self) -> None:
+        """The order of the first synchronised backward, kept once, read from that
+        backward's state at the next forward (nothing runs for it in backward itself):
+        as torch's reducer records it, what forward did not reach (stage unused_params
+        marks it ready at the first gradient), then the gradients as they came."""
+        ended = self._backward  # the last backward, until a forward makes the next
+        if ended.started and ended.finished and not self._ready_order and not self._rebuilt:
+            if self._order_is_static():
+                self._ready_order = [*ended.unreached, *ended.arrived]
 
     # --8<-- [end:backward]
 

@@ -47,6 +47,7 @@ class RoundRobinDDP(CommHooksDDP):
 
     # --8<-- [start:backward]
     def _group_for(self, index: int) -> dist.ProcessGroup:
+        # Asked once per bucket layout, not at every launch.
         return self.round_robin_groups[index % len(self.round_robin_groups)]
 
     # --8<-- [end:backward]

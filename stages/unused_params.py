@@ -57,6 +57,7 @@ class UnusedParamsDDP(MissingGradsDDP):
         self.find_unused_parameters = find_unused_parameters
         self._globally_used = [1] * len(self.named_trainable)  # per position: used anywhere
         self._problems: list[str] = []  # found in this backward, raised on every rank
+        self._problems_of = -1  # how many gradients had come when they were counted
         self._used: set[int] = set()  # positions this rank produced since the last sync
         self._accumulated: list[int] = []  # of those, what came in no_sync() backwards
         self._deferred: list[Bucket] = []  # buckets to copy out once we know who used what
@@ -76,7 +77,7 @@ class UnusedParamsDDP(MissingGradsDDP):
         # This stage's part of the backward's state, afresh. A synchronising backward
         # after no_sync() ones: what came in those counts as used too.
         self._accumulated = previous.arrived if syncs and not previous.syncs else []
-        self._problems, self._used = [], set()
+        self._problems, self._problems_of, self._used = [], -1, set()
 
     def _count_as_unused(self, positions: list[int], used: list[int]) -> None:
         """Found after forward (the drop-in's static_graph learns it in its first
@@ -122,13 +123,16 @@ class UnusedParamsDDP(MissingGradsDDP):
         arrived = self._backward.arrived
         if self.find_unused_parameters:  # no_sync() micro-batches count as used
             self._used = {*self._accumulated, *arrived}
+            # What to copy out depends on who used what: after the status (`_unload_each`).
+            self._backward.unloads = False
         # Where the status rode in the last bucket, something can have come since only
         # from a nested, reentrant backward (a layer used inside a reentrant checkpoint
         # and outside it): a gradient again, after its bucket left. Only this rank
         # knows; it raises (as torch's DDP does on that rank) rather than average half
         # of that gradient in silence. The group stays in step: every collective of the
         # step has run.
-        self._problems = self._problems_in(arrived)
+        if len(arrived) != self._problems_of:  # counted again only if more came since
+            self._problems, self._problems_of = self._problems_in(arrived), len(arrived)
         self._deferred = []
         super()._finish_backward()  # with the flag, its copy-outs wait for the status
         if self._problems:  # noted after the status left in the last bucket: see above
@@ -162,11 +166,11 @@ class UnusedParamsDDP(MissingGradsDDP):
             seen.add(k)
         return problems
 
-    def _unload(self, bucket: Bucket) -> None:
+    def _unload_each(self, bucket: Bucket) -> None:
         if self.find_unused_parameters:  # what to copy depends on who used what
             self._deferred.append(bucket)
         else:
-            super()._unload(bucket)
+            super()._unload_each(bucket)
 
     def _unload_one(self, param: nn.Parameter, average: torch.Tensor) -> None:
         if not self._globally_used[self._position[id(param)]]:
@@ -179,15 +183,19 @@ class UnusedParamsDDP(MissingGradsDDP):
     def _new_grad(self, average: torch.Tensor) -> torch.Tensor:
         return average.clone()
 
-    def _status_row(self, arrived: list[int]) -> list[int]:
-        row, used = super()._status_row(arrived), []
+    def _status_row(self, missing: int, arrived: list[int]) -> list[int]:
+        # Replaces stage missing_grads' row, the count alone, with all three columns.
+        used = []
         if self.find_unused_parameters:  # forward may skip parameters: none is missing
-            row[0] = 0
+            missing = 0
             used = [0] * len(self.named_trainable)
             for k in self._used:
                 used[k] = 1
-        problems = len(self._problems_in(arrived))
-        return [*row, problems, *used]
+        # Counted once per step where nothing comes after (the common case: the status
+        # rides as the last gradient's bucket leaves); the end of backward reads them.
+        if len(arrived) != self._problems_of:
+            self._problems, self._problems_of = self._problems_in(arrived), len(arrived)
+        return [missing, len(self._problems), *used]
 
     def _error_row(self, ready: set[int]) -> Status:
         return {

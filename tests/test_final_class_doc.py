@@ -2,7 +2,8 @@
 understate it: the page as docs/hooks.py renders it names every (class, method) that runs in
 a warm synchronised step of the drop-in, and no other, and prints how many distinct
 functions that backward runs; a method a table leaves out is caught; and the 1-rank step the
-docs trace runs the same methods as a step on 2 ranks.
+docs trace runs the same methods as a step on 2 ranks. That backward, with default options,
+runs few distinct functions: few stages' overrides run only to find their option off.
 
 The trace is profiling/course/backward_path.py's, the one the docs build uses."""
 
@@ -24,6 +25,10 @@ from tests.pool import check_no_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "final_class.md"
+# Distinct functions of the project a warm synchronised backward of the drop-in runs with
+# default options: 30 when every stage's override was asked at every call; torch's
+# reducer does the same work in about a dozen functions of one file.
+MAX_BACKWARD_FUNCTIONS = 20
 CODE = re.compile(r"`([^`]+)`")
 ITEM = re.compile(r"\[(?P<stage>\w+)\]\([^)]*\)|`(?P<code>[^`]+)`")
 
@@ -94,12 +99,33 @@ def test_the_page_prints_how_many_functions_the_backward_runs(rendered: str, tra
     assert f"The backward runs {len(functions)} distinct functions" in rendered
 
 
+def test_a_warm_backward_runs_few_distinct_functions(traced) -> None:
+    """Each option is chosen once, where it is set (at construction, when the buckets are
+    made, at forward, at the end of backward for what depends on the step), so a backward
+    with default options passes through no stage whose idea it does not use. An override
+    that only checks its option and calls super() on every call adds one here."""
+    functions = backward_path.backward_functions(traced)
+    assert len(functions) <= MAX_BACKWARD_FUNCTIONS, (
+        f"a warm synchronised backward of the drop-in with default options runs "
+        f"{len(functions)} distinct functions of the project's own (at most "
+        f"{MAX_BACKWARD_FUNCTIONS}); choose an option once rather than ask it per call: "
+        + ", ".join(functions)
+    )
+
+
 class LoudSend(DistributedDataParallel):
     """A stage that extends `_send` (as drop_in's own did, which the hand-written table
-    this one replaced left out)."""
+    this one replaced left out): a pass-through, as an override that only checks an
+    option that is off would be."""
 
     def _send(self, bucket):
         return super()._send(bucket)
+
+
+def test_a_pass_through_override_is_one_function_more(traced) -> None:
+    before = backward_path.backward_functions(traced)
+    after = backward_path.backward_functions(backward_path.trace(LoudSend))
+    assert len(after) == len(before) + 1, sorted(set(after) - set(before))
 
 
 def test_a_method_a_table_leaves_out_is_caught(traced) -> None:
@@ -108,7 +134,7 @@ def test_a_method_a_table_leaves_out_is_caught(traced) -> None:
     with pytest.raises(AssertionError, match=r"leaves out \['LoudSend\._send'\]"):
         assert_names_all(before, broken)
     assert_names_all(backward_path.table(broken), broken)  # traced anew, it shows it
-    assert "`_send` ×2: `LoudSend` → [drop_in]" in backward_path.table(broken)
+    assert "`_send` ×2: `LoudSend` → [missing_grads]" in backward_path.table(broken)
 
 
 def trace_on(rank: int, group) -> backward_path.Trace:

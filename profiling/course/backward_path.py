@@ -9,8 +9,8 @@ options, on a 1-rank Gloo group made in this process (an in-memory store: no por
 file) and destroyed after: its forward and backward run under `sys.setprofile`, which
 records every call into the project's code (`stages/`, `ddp/`) with the project call it
 came from. Calls are read as chains: a method and the `super()` calls it makes of the
-same name, so `_send` is one row, drop_in -> comm_hooks -> missing_grads -> overlapped,
-the first running first and calling the next. The docs build (`docs/hooks.py`, the
+same name, so `_finish_backward` is one row, drop_in -> unused_params -> missing_grads ->
+overlapped, the first running first and calling the next. The docs build (`docs/hooks.py`, the
 `{{ backward_path() }}` placeholder) renders the table from a fresh trace every time, so
 it cannot name fewer methods than run; tests/test_final_class_doc.py checks that it names
 every one.

@@ -187,8 +187,9 @@ class DistributedDataParallel(AutoBucketDDP):
         if self.mixed_precision is not None and not torch.is_grad_enabled():
             self._to_full_precision()  # no backward follows (evaluation)
         if synced:
-            if self._stats.timing:
-                self._stats.mark("forward_compute_end")
+            if self._stats.timing:  # backward's compute starts here, as torch's reducer
+                self._stats.mark("forward_compute_end")  # marks it (prepare_for_backward)
+                self._stats.mark("backward_compute_start")
             if self.static_graph:
                 output = self._sink(output)
         return output
@@ -442,15 +443,14 @@ class DistributedDataParallel(AutoBucketDDP):
         if outputs or (self.static_graph and self._expected is not None):
             self._note_unused(outputs)
 
-    def _start_backward(self) -> None:
-        if self._stats.timing:
-            self._stats.mark("backward_compute_start")
-        super()._start_backward()
+    def _sender(self) -> str:
+        # A step whose times are recorded marks when its first bucket leaves.
+        return "_send_first_timed" if self._stats.timing else super()._sender()
 
-    def _send(self, bucket):
-        if self._stats.timing:
-            self._stats.mark("backward_comm_start")
-        return super()._send(bucket)
+    def _send_first_timed(self, bucket) -> dist.Work | torch.futures.Future:
+        self._stats.mark("backward_comm_start")
+        self._backward.send = super()._sender()  # the other buckets: the usual way
+        return getattr(self, self._backward.send)(bucket)
 
     def _finish_backward(self) -> None:
         if self._stats.timing:

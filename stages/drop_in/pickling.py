@@ -10,7 +10,7 @@ from stages.overlapped import Backward
 
 # Made again on unpickling: groups (not picklable), hooks (a tensor's are not pickled),
 # and the backward's state with its work in flight (kept as a new wrapper's).
-TRANSIENT = ("process_group", "round_robin_groups", "_hook_handles")
+TRANSIENT = ("process_group", "round_robin_groups", "_bucket_groups", "_hook_handles")
 
 
 def pickled_state(ddp: nn.Module) -> dict:
