@@ -72,13 +72,8 @@ def test_question_5s_answer_is_the_models_and_on_the_slider():
     1 Gbit/s, no latency, 25 MiB): the first k whose time per micro-batch is under 1.2x
     compute alone, its time and ratio, as the model computes them from the page's data,
     and a k the micro-batch slider reaches."""
-    import re
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parent.parent / "docs"
-    page = (docs / "anatomy.md").read_text()
-    model = anatomy.read_page_data(docs / "js/anatomy-workload.js")["models"]["mlp_2048x7"]
-    workload, buckets = anatomy.from_json(model), model["layouts"]["25"]
+    page, model, workload = _page_and_model("mlp_2048x7")
+    buckets = model["layouts"]["25"]
 
     def reading(k: int) -> tuple[int, str]:  # ms per micro-batch, x compute alone
         s = anatomy.step(workload, buckets, "skip_sync", 1.0, 0.0, k)

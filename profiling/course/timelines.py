@@ -99,12 +99,11 @@ def draw(logdir: Path, out: Path) -> list[Path]:
     written = []
     for stage in STAGES:
         ranks = sorted((r for r in results if r.run == stage), key=lambda r: r.rank)
-        rows = sum(1 + len(step_timeline(traces[stage][r.rank], r.median.step)
-                           ["collective_rows"]) for r in ranks)  # fmt: skip
+        drawn = [(r, step_timeline(traces[stage][r.rank], r.median.step)) for r in ranks]
+        rows = sum(1 + len(t["collective_rows"]) for _, t in drawn)  # compute + comm rows
         fig, ax = plt.subplots(figsize=(WIDTH_IN, 0.55 * rows + 1.5))
         ticks, labels, y = [], [], 0.0
-        for r in ranks:
-            t = step_timeline(traces[stage][r.rank], r.median.step)
+        for r, t in drawn:
             for phase, intervals in t["compute"].items():
                 ax.broken_barh(report.bars(intervals), (y - 0.35, 0.7), color=COLOURS[phase])
             ticks.append(y)
