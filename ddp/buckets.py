@@ -110,6 +110,7 @@ def assign_buckets(
     first_bucket_cap_mb: float | None = None,
     ready_order: bool = False,
     sparse: frozenset[str] = frozenset(),
+    overfill: bool = False,
 ) -> list[Bucket]:
     """Buckets as `plan_buckets` lays them out, each with its zeroed flat buffer."""
     plan = plan_buckets(
@@ -118,6 +119,7 @@ def assign_buckets(
         first_bucket_cap_mb=first_bucket_cap_mb,
         ready_order=ready_order,
         sparse=sparse,
+        overfill=overfill,
     )
     return buckets_from_plan(plan, sparse)
 
@@ -135,6 +137,7 @@ def plan_buckets(
     first_bucket_cap_mb: float | None = None,
     ready_order: bool = False,
     sparse: frozenset[str] = frozenset(),
+    overfill: bool = False,
 ) -> list[Members]:
     """Group gradients into buckets of at most `bucket_cap_mb` MiB each.
 
@@ -146,18 +149,22 @@ def plan_buckets(
     smaller cap, `first_bucket_cap_mb`, so that the first all-reduce starts early.
     Frozen parameters have no gradient and no bucket. A parameter named in `sparse` has
     sparse gradients, which no flat buffer holds: it gets a bucket of its own, as in
-    torch's DDP. Unlike torch's DDP, which adds a gradient and then closes the bucket
-    once it reaches its cap, a bucket here is closed before a gradient would pass it,
-    so the two can cut a model at different places (never to different results)."""
+    torch's DDP. A bucket is closed before a gradient would pass its cap; with
+    `overfill=True` it is cut by torch's DDP's rule instead: a gradient is added and
+    the bucket closed once it reaches its cap, so it may pass the cap by that last
+    gradient. The two rules can cut a model at different places (never to different
+    results): 1 MiB buckets of Linear(512, 512) layers, whose weight alone is 1 MiB, hold
+    a bias or a weight each (24 for 12 layers) by the first rule and a layer each by
+    torch's (12)."""
     for name, cap in (
         ("bucket_cap_mb", bucket_cap_mb),
         ("first_bucket_cap_mb", first_bucket_cap_mb),
     ):
         if cap is not None and not cap > 0:
             raise ValueError(f"{name} must be > 0 MiB, got {cap}")
-    caps_bytes = [  # MiB of gradient bytes, as in torch's DDP: the first bucket, the rest
-        (first_bucket_cap_mb or bucket_cap_mb) * 2**20,
-        bucket_cap_mb * 2**20,
+    caps_bytes = [  # MiB of gradient bytes, whole as in torch's DDP: the first bucket, the rest
+        int((first_bucket_cap_mb or bucket_cap_mb) * 2**20),
+        int(bucket_cap_mb * 2**20),
     ]
     ordered = list(named_params) if ready_order else list(reversed(named_params))
     closed: list[list[tuple[str, nn.Parameter]]] = []
@@ -171,13 +178,18 @@ def plan_buckets(
             continue
         kind = (param.dtype, param.device)
         members = open_by_kind.setdefault(kind, [])
-        nbytes = sum(p.numel() * p.element_size() for _, p in members)
+        # The bucket's bytes with this gradient in it.
+        nbytes = sum(p.numel() * p.element_size() for _, p in members + [(name, param)])
         cap_bytes = caps_bytes[min(closed_by_kind.get(kind, 0), 1)]
-        if members and nbytes + param.numel() * param.element_size() > cap_bytes:
+        if not overfill and members and nbytes > cap_bytes:
             closed.append(members)
             closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
             members = open_by_kind[kind] = []
         members.append((name, param))
+        if overfill and nbytes >= cap_bytes:  # torch's: closed once it reaches the cap
+            closed.append(members)
+            closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
+            open_by_kind[kind] = []
     closed.extend(members for members in open_by_kind.values() if members)
     # All ranks must all-reduce buckets in the same order: order them by where their
     # first parameter stands in the parameter order, which every rank shares.

@@ -168,6 +168,7 @@ class AutoBucketDDP(JoinDDP):
             s_per_byte,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             sparse=self._sparse,
+            overfill=self.overfill_buckets,
         )
         self._order = order  # the replayed order: the same everywhere
         # Each distinct layout once: on a small model several caps give the same buckets
@@ -356,17 +357,24 @@ def choose_layout(
     *,
     first_bucket_cap_mb: float | None,
     sparse: frozenset[str] = frozenset(),
+    overfill: bool = False,
 ) -> tuple[dict, list[int] | None]:
     """What `bucket_cap_mb="auto"` builds, given the parameters in the order their
     gradients became ready (`ready_s[i]`: parameter i's) and the cost of an all-reduce:
     the model's own cut where it is predicted to end first, else the best uniform cap.
     Returns the record `auto_bucket_choice` holds, and the cut's bucket lengths in
-    parameters (None: the uniform cap's layout)."""
+    parameters (None: the uniform cap's layout). `overfill`: how the stage cuts a uniform
+    cap's buckets (`plan_buckets`)."""
     position = {id(p): i for i, (_, p) in enumerate(named)}
     first = lambda cap: min(cap, first_bucket_cap_mb or cap)  # noqa: E731
     uniform = {
         cap: plan_buckets(
-            named, cap, first_bucket_cap_mb=first(cap), ready_order=True, sparse=sparse
+            named,
+            cap,
+            first_bucket_cap_mb=first(cap),
+            ready_order=True,
+            sparse=sparse,
+            overfill=overfill,  # as the stage cuts them (`overfill_buckets`)
         )
         for cap in CANDIDATES_MB
     }

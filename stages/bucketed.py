@@ -40,18 +40,26 @@ class BucketedDDP(NaiveDDP):
 
     collectives = ("all_reduce per bucket",)  # in bucket order
 
+    # Where a bucket is cut, wherever buckets are laid out: before a gradient would pass
+    # bucket_cap_mb (False), or, as torch's DDP cuts them, once the bucket reaches it,
+    # passing it by its last gradient (True: `ddp.buckets.plan_buckets`).
+    overfill_buckets = False
+
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, **options):
         if not bucket_cap_mb > 0:  # checked first: a bad argument, whatever else is wrong
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
         super().__init__(module, **options)
-        # Reverse parameter order, at most bucket_cap_mb MiB each, one dtype per bucket;
+        # Reverse parameter order, cut at bucket_cap_mb MiB, one dtype per bucket;
         # a sparse gradient (nn.Embedding(sparse=True)) alone, as it is.
         self._sparse = sparse_gradient_names(module)
         named = list(module.named_parameters())
-        self._use_buckets(assign_buckets(named, bucket_cap_mb, sparse=self._sparse), bucket_cap_mb)
+        buckets = assign_buckets(
+            named, bucket_cap_mb, sparse=self._sparse, overfill=self.overfill_buckets
+        )
+        self._use_buckets(buckets, bucket_cap_mb)
 
     def _use_buckets(self, buckets: list[Bucket], bucket_cap_mb: float) -> None:
-        """Send the gradients in these buckets (of at most bucket_cap_mb MiB each) from now
+        """Send the gradients in these buckets (cut at bucket_cap_mb MiB) from now
         on. A later stage may lay them out again, or extend this to give them room or a
         dtype of their own first."""
         self.buckets, self.bucket_cap_mb = buckets, bucket_cap_mb

@@ -102,7 +102,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
         self, named: Members, bucket_cap_mb: float, first_bucket_cap_mb: float | None
     ) -> list[Members]:
         """The new buckets' members, in launch order, from the trainable parameters in
-        ready order: at most `bucket_cap_mb` MiB each, as `plan_buckets` cuts them."""
+        ready order, cut at `bucket_cap_mb` MiB as `plan_buckets` cuts them."""
         return plan_buckets(
             named,
             bucket_cap_mb,
@@ -110,6 +110,7 @@ class RebuiltBucketsDDP(GradViewsDDP):
             first_bucket_cap_mb=min(first_bucket_cap_mb or bucket_cap_mb, bucket_cap_mb),
             ready_order=True,
             sparse=self._sparse,
+            overfill=self.overfill_buckets,
         )
 
     # --8<-- [end:forward]

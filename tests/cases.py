@@ -221,11 +221,13 @@ def expected_bucket_sizes(
     bucket_cap_mb: float,
     order: list[nn.Parameter] | None = None,
     first_cap_mb: float | None = None,
+    overfill: bool = False,
 ) -> list[int]:
     """The bucket layout the stages promise, computed independently of ddp.buckets:
     reverse parameter order (or `order`), one dtype per bucket, a bucket closed before
-    it would pass the cap (`first_cap_mb` for a dtype's first bucket)."""
-    caps = [(first_cap_mb or bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20]
+    it would pass the cap (`first_cap_mb` for a dtype's first bucket), or with
+    `overfill` closed once it reaches it (torch's rule, the drop-in's)."""
+    caps = [int((first_cap_mb or bucket_cap_mb) * 2**20), int(bucket_cap_mb * 2**20)]
     trainable = order or [p for p in model.parameters() if p.requires_grad][::-1]
     buckets: list[list[nn.Parameter]] = []
     open_bucket: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -233,11 +235,16 @@ def expected_bucket_sizes(
     for p in trainable:
         members = open_bucket.setdefault(p.dtype, [])
         size = sum(q.numel() * q.element_size() for q in members) + p.numel() * p.element_size()
-        if members and size > caps[min(closed.get(p.dtype, 0), 1)]:
+        cap = caps[min(closed.get(p.dtype, 0), 1)]
+        if members and size > cap and not overfill:
             buckets.append(members)
             closed[p.dtype] = closed.get(p.dtype, 0) + 1
             members = open_bucket[p.dtype] = []
         members.append(p)
+        if overfill and size >= cap:
+            buckets.append(members)
+            closed[p.dtype] = closed.get(p.dtype, 0) + 1
+            open_bucket[p.dtype] = []
     buckets += [m for m in open_bucket.values() if m]
     first = {id(p): i for i, p in enumerate(trainable)}
     buckets.sort(key=lambda m: first[id(m[0])])

@@ -80,9 +80,10 @@ def check_case(pool, case: Case) -> None:
     # `collectives`); none inside no_sync.
     model = build_net(case.net, seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    buckets = expected_bucket_sizes(model, case.bucket_cap_mb)
     torch_ddp = case.wrapper == "torch_ddp"
     cls = nn.parallel.DistributedDataParallel if torch_ddp else STAGES[case.wrapper]
+    overfill = getattr(cls, "overfill_buckets", False)  # where the stage cuts a bucket
+    buckets = expected_bucket_sizes(model, case.bucket_cap_mb, overfill=overfill)
     declared = getattr(cls, "collectives", ())
     opts = dict(case.options)
     rebuilds = READY_ORDER in declared and (
@@ -95,6 +96,7 @@ def check_case(pool, case: Case) -> None:
             case.bucket_cap_mb,
             order,
             min(opts.get("first_bucket_cap_mb") or case.bucket_cap_mb, case.bucket_cap_mb),
+            overfill=overfill,
         )
     for step, step_calls in enumerate(rank0.calls):
         if rebuilds and step > 0:

@@ -5,11 +5,12 @@ drawn parameter lists."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+import torch.distributed as dist
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddp.buckets import assign_buckets
+from ddp.buckets import assign_buckets, plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.float16]
 
@@ -53,6 +54,45 @@ def test_bucket_layout(named, cap_mb: float) -> None:
         for b, following in zip(same, same[1:], strict=False):
             nxt = following.params[0]
             assert b.nbytes + nxt.numel() * nxt.element_size() > cap_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(named=parameter_lists(), ready_order=st.booleans(), data=st.data())
+def test_overfill_cuts_as_torchs_own_assignment(named, ready_order: bool, data) -> None:
+    """`overfill=True` (the drop-in's rule) cuts the gradients it is given where torch's
+    DDP cuts them (torch's own `_compute_bucket_assignment_by_size`, given the same
+    order): the same buckets, with the same members in the same order. The order of the
+    buckets is this project's (by their first gradient): torch's as well for one dtype."""
+    trainable = [(name, p) for name, p in named if p.requires_grad]
+    assume(trainable)
+    ordered = trainable if ready_order else trainable[::-1]  # the order plan_buckets cuts
+    # Caps of whole bytes, often what a run of gradients holds exactly: where a bucket
+    # reaches its cap, and the two rules part.
+    sizes = [p.numel() * p.element_size() for _, p in ordered]
+    runs = sorted(
+        {sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)}
+    )
+    cap_bytes = st.sampled_from(runs) | st.integers(1, 2400)
+    cap, first_cap = data.draw(cap_bytes), data.draw(st.none() | cap_bytes)
+    plan = plan_buckets(
+        named,
+        cap / 2**20,
+        first_bucket_cap_mb=None if first_cap is None else first_cap / 2**20,
+        ready_order=ready_order,
+        overfill=True,
+    )
+    index = {name: i for i, (name, _) in enumerate(ordered)}
+    ours = [[index[name] for name, _ in members] for members in plan]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [p for _, p in ordered],
+        [first_cap or cap, cap],
+        [False] * len(ordered),
+        list(range(len(ordered))),  # labels: given, torch keeps its closing order
+    )
+    theirs = [list(bucket) for bucket in theirs]
+    assert sorted(ours) == sorted(theirs), f"ours {ours}, torch's {theirs}"
+    if len({p.dtype for _, p in trainable}) == 1:
+        assert ours == theirs
 
 
 def test_views_are_the_gradients_slots() -> None:

@@ -265,6 +265,33 @@ def test_logging_data_has_torchs_keys_and_values(pool) -> None:
         assert ours[-1]["can_set_static_graph"] == 1
 
 
+def rebuilt_layout(rank: int, group: dist.ProcessGroup, which: str) -> dict:
+    """The buckets torch's logger reports once they are rebuilt in ready order, for six
+    Linear(64, 64) layers under buckets of one weight's bytes (16 KiB): where the cut
+    rule matters, as a bias and a weight together pass the cap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)))
+    ddp = _ddp_class(which)(model, process_group=group, bucket_cap_mb=64 * 64 * 4 / 2**20)
+    ddp._set_ddp_runtime_logging_sample_rate(1)
+    for _ in range(3):
+        ddp(torch.randn(4, 64)).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    return {k: data.get(k) for k in ("rebuilt_per_bucket_param_indices", "rebuilt_bucket_sizes")}
+
+
+def rebuilt_layout_both(rank: int, group: dist.ProcessGroup) -> tuple[dict, dict]:
+    return rebuilt_layout(rank, group, "ours"), rebuilt_layout(rank, group, "torch")
+
+
+def test_buckets_are_rebuilt_where_torchs_are(pool) -> None:
+    """The drop-in cuts its buckets by torch's rule (`overfill_buckets`): a layer's bias
+    and weight share a bucket, as in torch's DDP, where a bucket stopping short of its
+    cap would hold one each (and torch.compile cuts the graph where torch's end)."""
+    for rank, (ours, torchs) in enumerate(run_checked(pool, 2, rebuilt_layout_both)):
+        assert torchs["rebuilt_bucket_sizes"], "torch's logger reported no rebuilt buckets"
+        assert ours == torchs, f"rank {rank}: ours {ours}, torch's {torchs}"
+
+
 # --- torch.compile: the same graph cuts as torch's DDP --------------------------------
 
 

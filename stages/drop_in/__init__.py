@@ -15,9 +15,10 @@ torch's DDP to this one:
 
     torchrun --standalone --nproc-per-node 2 -m stages.drop_in --model cnn
 
-As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, and a cap
-you give applies to the first bucket too (a bucket here stops short of its cap, where
-torch's passes it by one gradient: `ddp.buckets.plan_buckets`). `device_ids` and
+As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, a cap you
+give applies to the first bucket too, and a bucket is cut by torch's rule, once it
+reaches its cap (`overfill_buckets`), so the buckets, and where torch.compile cuts a
+compiled module's graph, are torch's. `device_ids` and
 `output_device` are accepted for one device per process, the only mode torch still
 supports. Arguments this project does not implement (`device_mesh`, ...) raise an error
 naming them when set to anything but torch's default. The signature is torch 2.13's,
@@ -92,6 +93,7 @@ class DistributedDataParallel(AutoBucketDDP):
         "all_reduce of the used parameters, static_graph's first step",
         *AutoBucketDDP.collectives[1:],
     )
+    overfill_buckets = True  # torch's cut: buckets and compiled graph cuts end together
 
     def __init__(
         self,

@@ -156,8 +156,11 @@ def _layout(
     if stage == "overlapped":
         return uniform_buckets(workload, cap_mb), asynchronous, copies
     if stage == "drop_in":
-        # Rebuilt in ready order; an explicit cap means no smaller first bucket.
-        buckets = uniform_buckets(workload, cap_mb, first_bucket_cap_mb=None, ready_order=True)
+        # Rebuilt in ready order, cut by torch's rule; an explicit cap means no smaller
+        # first bucket.
+        buckets = uniform_buckets(
+            workload, cap_mb, first_bucket_cap_mb=None, ready_order=True, overfill=True
+        )
         return buckets, asynchronous, copies
     raise ValueError(f"no model of stage {stage!r}; pick one of {STAGES}")
 
