@@ -45,9 +45,10 @@ This stage is a package: what only it needs of torch's surface sits beside this 
 out of `ddp/` (which holds what several stages or the harness share). `torch_args`
 checks the constructor's arguments as torch does, `mixed_precision` casts to param_dtype
 and back, `logging_data` keeps torch's logging data, `reducer` is what frameworks call on
-`model.reducer` and the node that starts static_graph's step, `class_swap` is what
-`install()` does, `pickling` what pickle keeps; `python -m stages.drop_in` runs
-`__main__.py`.
+`model.reducer` and the node that starts static_graph's step, `static_graph` what
+static_graph=True learns in its first step and how the steps after it use that,
+`class_swap` is what `install()` does, `pickling` what pickle keeps;
+`python -m stages.drop_in` runs `__main__.py`.
 
 Unpickling (as torch's DDP allows, over the default group) sets the earlier stages'
 `process_group` and `round_robin_groups` again: a group is not pickled.
@@ -56,7 +57,6 @@ Unpickling (as torch's DDP allows, over the default group) sets the earlier stag
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -69,7 +69,8 @@ from stages.auto_bucket import AutoBucketDDP
 from stages.drop_in import class_swap, pickling
 from stages.drop_in.logging_data import RuntimeStats, gradient_bytes, layout_record, logging_data
 from stages.drop_in.mixed_precision import low_precision_hook, to_full_precision, to_low_precision
-from stages.drop_in.reducer import Reducer, Sink, flatten
+from stages.drop_in.reducer import Reducer
+from stages.drop_in.static_graph import StaticGraph, counted, through_sink
 from stages.drop_in.torch_args import buffer_sync, check_arguments
 
 # A script or framework that makes its own process group imports this module first
@@ -155,16 +156,13 @@ class DistributedDataParallel(AutoBucketDDP):
         self._initial_bucket_bytes = [gradient_bytes(b.params) for b in self.buckets]
         self._last_ready_order: list[int] = []  # of the last synchronised backward
         self._arrivals_per_step: set[int] = set()  # gradients per synchronised backward
-        # static_graph: per position, how many times its gradient came in the first
-        # synchronised backward (None before it ends), and per bucket what that makes.
         if self.mixed_precision is not None:
             self.module.register_forward_pre_hook(low_precision_hook(self), with_kwargs=True)
             for buffer in self.module.buffers():
                 buffer.data = buffer.to(self.mixed_precision.buffer_dtype or buffer.dtype)
-        self._expected: list[int] | None = None
         self._ran_before_forward = False  # see _inside_ddp_forward
-        self._static_pending: tuple[list, list[int]] | None = None  # (buckets, counts)
-        self._static_unused: list[int] = []  # positions whose gradient did not come
+        # static_graph: what its first synchronised backward learned (None before it ends).
+        self._learned: StaticGraph | None = None
         if static_graph:
             self._set_static_graph()
 
@@ -193,7 +191,7 @@ class DistributedDataParallel(AutoBucketDDP):
                 self._stats.mark("forward_compute_end")  # marks it (prepare_for_backward)
                 self._stats.mark("backward_compute_start")
             if self.static_graph:
-                output = self._sink(output)
+                output = through_sink(self, output)  # `static_graph.py`, beside this file
         return output
 
     # torch.compile, where a framework compiles the wrapper itself (accelerate does when
@@ -332,99 +330,55 @@ class DistributedDataParallel(AutoBucketDDP):
     # --8<-- [end:mixed_precision]
 
     # --8<-- [start:static_graph]
-    def _sink(self, output):
-        """static_graph: forward's tensors pass through a node whose backward, the
-        first thing backward runs, queues the end-of-backward callback (as torch's
-        _DDPSink does). Queued at the first gradient instead, it would join the graph
-        task of a reentrant checkpoint's inner backward if a gradient came first from
-        there, and finish the step before the outer gradients come."""
-        tensors, rebuild = flatten(output)
-        # Only tensors in a graph: one made without autograd (a metric, an index) stays
-        # as it was, as torch leaves it (a Sink output would require grad).
-        chosen = [i for i, t in enumerate(tensors) if t.grad_fn is not None]
-        if not chosen:
-            return output
-        passed = Sink.apply(weakref.ref(self), *(tensors[i] for i in chosen))
-        for i, t in zip(chosen, passed, strict=True):
-            tensors[i] = t
-        return rebuild(tensors)
-
+    # What the first synchronised backward learns, and how the steps after it use that,
+    # is a `StaticGraph` (`static_graph.py`, beside this file): the methods below are
+    # where the earlier stages ask for it.
     def _holds_buckets(self) -> bool:
         # The first backward all-reduces every bucket at its end (as torch's reducer
         # delays it), once it knows how often each gradient comes: none leave before.
-        return self.static_graph and self._expected is None
+        return self.static_graph and self._learned is None
 
     def _pending_counts(self) -> list[int]:
-        if not (self.static_graph and self._expected is not None):
+        if self._learned is None:
             return super()._pending_counts()
-        buckets, counts = self._static_pending or (None, [])
-        if buckets is not self.buckets:  # rebuilt: count again
-            counts = [0] * len(self.buckets)
-            for k, expected in enumerate(self._expected):  # an unused one: ready at start
-                counts[self._bucket_of[k]] += max(expected, 1)
-            self._static_pending = (self.buckets, counts)
-        return list(counts)
+        return self._learned.pending_counts(self.buckets, self._bucket_of)
 
     def _unused_in(self, output) -> list[int]:
-        if self.static_graph and self._expected is not None:
-            return self._static_unused  # found in the first backward: not searched again
+        if self._learned is not None:
+            return self._learned.unused  # found in the first backward: not searched again
         return super()._unused_in(output)
 
-    def _finish_backward_static(self, arrived: list[int]) -> None:
-        """At the end of static_graph's first synchronised backward: how many times each
-        gradient came, which no rank used (one all-reduce, this once), and so what the
-        steps after it wait for."""
-        expected = [0] * len(self.named_trainable)
-        for k in arrived:
-            expected[k] += 1
-        self._learn_static_graph(expected, expected)
-
-    def _learn_static_graph(self, expected: list[int], counts: list[int]) -> list[int]:
-        """Which parameters some rank used, and what the steps after it expect
-        (`expected`, how often each gradient comes here): one all-reduce of every rank's
-        `counts`, their maximum, before the first step's buckets. Returns the maximum:
-        what a rank that counted nothing (one that left before this step) expects."""
-        most = torch.tensor(counts, dtype=torch.int64, device=self._collective_device)
+    def _learn_static_graph(self, counts: list[int] | None) -> None:
+        """At the end of static_graph's first synchronised backward: one all-reduce of
+        every rank's `counts` (how many times each gradient came there), their maximum,
+        says which parameters some rank used, before the first step's buckets leave. A
+        rank that left before this step (join) counts nothing (None) and expects, from
+        then on, what the rank that counted the most saw."""
+        mine = [0] * len(self.named_trainable) if counts is None else counts
+        most = torch.tensor(mine, dtype=torch.int64, device=self._collective_device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.process_group)
         most = most.tolist()
-        self._expected = expected
-        self._static_unused = [k for k, c in enumerate(expected) if c == 0]
-        self._count_as_unused(self._static_unused, used=[int(c > 0) for c in most])
-        return most
+        self._learned = StaticGraph(most if counts is None else counts)
+        self._count_as_unused(self._learned.unused, used=[int(c > 0) for c in most])
 
     def _shadow_backward(self) -> None:
-        if self.static_graph and self._expected is None:
-            # A rank that left before the first synchronised step: it takes part in
-            # that step's all-reduce of who used what, as one that used nothing, and
-            # from then on reports each gradient as come as often as that step brought
-            # it on the rank that counted the most.
-            self._expected = self._learn_static_graph([], [0] * len(self.named_trainable))
-            self._static_unused = [k for k, c in enumerate(self._expected) if c == 0]
+        if self.static_graph and self._learned is None:  # a rank that left under join
+            self._learn_static_graph(None)  # takes part in the first step's count
         super()._shadow_backward()
 
     def _shadow_arrivals(self) -> list[int]:
-        if not (self.static_graph and self._expected is not None):
+        if self._learned is None:
             return super()._shadow_arrivals()
-        return [k for k, count in enumerate(self._expected) for _ in range(count)]
+        return self._learned.arrivals()
 
     def _nothing_unused(self) -> None:
         if not self.static_graph:  # torch's static_graph never walks, so never warns
             super()._nothing_unused()
 
     def _problems_in(self, arrived: list[int]) -> list[str]:
-        if not (self.static_graph and self._expected is not None):
+        if self._learned is None:
             return super()._problems_in(arrived)
-        counts = [0] * len(self.named_trainable)
-        for k in arrived:
-            counts[k] += 1
-        if counts == self._expected:
-            return []
-        return [
-            f"'{name}' got {counts[k]} gradient(s) in this backward where the first got "
-            f"{self._expected[k]}: static_graph=True promises the same graph every step"
-            for k, (name, _) in enumerate(self.named_trainable)
-            if counts[k] != self._expected[k] and counts[k] > 0
-        ]
+        return self._learned.problems(arrived, self.named_trainable)
 
     # --8<-- [end:static_graph]
 
@@ -442,7 +396,7 @@ class DistributedDataParallel(AutoBucketDDP):
         self._prepare_for_backward()
         # With no outputs, nothing is found unused (after static_graph's first backward,
         # what it found).
-        if outputs or (self.static_graph and self._expected is not None):
+        if outputs or self._learned is not None:
             self._note_unused(outputs)
 
     def _sender(self) -> str:
@@ -459,8 +413,8 @@ class DistributedDataParallel(AutoBucketDDP):
             self._stats.mark("backward_compute_end")
         self._last_ready_order = self._backward.arrived
         self._arrivals_per_step.add(len(self._last_ready_order))
-        if self.static_graph and self._expected is None:
-            self._finish_backward_static(self._last_ready_order)
+        if self.static_graph and self._learned is None:  # static_graph's first step
+            self._learn_static_graph(counted(self._last_ready_order, len(self.named_trainable)))
         if self.mixed_precision is not None:
             self._to_full_precision()
         try:
