@@ -31,8 +31,16 @@ class Copies(NamedTuple):
     functions of the bucket alone, so that the wrapper, which keeps them, holds no
     reference to itself (a cycle would keep a model its user dropped alive)."""
 
-    copy_in: Callable[[Bucket], None]
+    copy_in: Callable[[Bucket, int], bool]  # (bucket, divisor): whether it divided
     unload: Callable[[Bucket], None]
+
+
+# A gradient of at least this many bytes is divided as it is copied into its bucket, one
+# pass over it, as torch's reducer copies every gradient. Smaller ones go in one foreach
+# copy for the bucket and one division of its buffer: two passes, but two calls, where a
+# call per gradient costs more than the pass it saves (on this project's CPUs, 15 against
+# 8 µs a gradient at 64 KiB; 180 against 280 µs at 1 MiB).
+DIVIDE_WHILE_COPYING_BYTES = 256 * 1024
 
 
 class BucketedDDP(NaiveDDP):
@@ -92,19 +100,26 @@ class BucketedDDP(NaiveDDP):
 
     def _fill(self, bucket: Bucket, divisor: int) -> None:
         """The bucket's buffer := its gradients / divisor (sum of g/W = mean, as torch's
-        reducer divides): a copy of all of them, then one division of the flat buffer."""
-        self._copies[bucket.index].copy_in(bucket)
-        if divisor != 1:  # a pass over the buffer for nothing
+        reducer divides): divided as they are copied in, or the flat buffer after."""
+        divided = self._copies[bucket.index].copy_in(bucket, divisor)
+        if not divided and divisor != 1:  # a pass over the buffer for nothing
             bucket.buffer.div_(divisor)
 
     @staticmethod
-    def _copy_in(bucket: Bucket) -> None:
-        """The gradients into the bucket's buffer: one foreach copy, one call for the whole
-        bucket. A sparse gradient's bucket holds it alone: its buffer is a copy of it."""
+    def _copy_in(bucket: Bucket, divisor: int) -> bool:
+        """The gradients into the bucket's buffer: each divided by `divisor` as it is
+        copied where they are large (one call per gradient, one pass over it; returns
+        True), else one foreach copy for the whole bucket. A sparse gradient's bucket
+        holds it alone: its buffer is a copy of it."""
         if bucket.sparse:
             bucket.buffer = bucket.params[0].grad.clone()
-            return
-        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            return False
+        if bucket.nbytes < DIVIDE_WHILE_COPYING_BYTES * len(bucket.params):
+            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            return False
+        for view, param in zip(bucket.views, bucket.params, strict=True):
+            torch.div(param.grad, divisor, out=view)
+        return True
 
     @staticmethod
     def _unload(bucket: Bucket) -> None:

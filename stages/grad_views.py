@@ -44,9 +44,9 @@ class GradViewsDDP(BuffersDDP):
 
     # --8<-- [start:backward]
     @staticmethod
-    def _copy_in_views(bucket: Bucket) -> None:
+    def _copy_in_views(bucket: Bucket, divisor: int) -> bool:
         """Autograd summed the gradients into the bucket itself: only fresh ones are
-        copied."""
+        copied (undivided: the buffer is divided after)."""
         for param, view in zip(bucket.params, bucket.views, strict=True):
             grad = param.grad
             if grad is None:  # missing here (stage missing_grads): adds zero to the sum
@@ -56,6 +56,7 @@ class GradViewsDDP(BuffersDDP):
                 # copied in once, and from now on .grad is the view.
                 view.copy_(grad)
                 param.grad = view
+        return False
 
     # --8<-- [end:backward]
 

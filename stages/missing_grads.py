@@ -33,6 +33,7 @@ from torch import nn
 
 from ddp.buckets import Bucket
 from ddp.dist import collective_device
+from stages.bucketed import BucketedDDP
 from stages.skip_sync import SkipSyncDDP
 
 Status = dict[str, torch.Tensor]  # column name -> (W, width) for every rank
@@ -109,16 +110,12 @@ class MissingGradsDDP(SkipSyncDDP):
         return super()._send(bucket)
 
     @staticmethod
-    def _copy_in(bucket: Bucket) -> None:
-        # Replaces stage bucketed's copy (the same one foreach copy when nothing is
-        # missing, as it is in the common case) with one that takes a missing gradient.
+    def _copy_in(bucket: Bucket, divisor: int) -> bool:
+        # Stage bucketed's copy when nothing is missing, as in the common case; else one
+        # that takes a missing gradient (and leaves the division to the buffer).
         grads = [p.grad for p in bucket.params]
         if not any(map(_is_none, grads)):
-            if bucket.sparse:
-                bucket.buffer = grads[0].clone()
-            else:
-                torch._foreach_copy_(bucket.views, grads)
-            return
+            return BucketedDDP._copy_in(bucket, divisor)
         for grad, view in zip(grads, bucket.views or [bucket.buffer], strict=True):
             if grad is None:  # missing here: adds zero to the sum, and we raise after it
                 view.zero_()
@@ -126,6 +123,7 @@ class MissingGradsDDP(SkipSyncDDP):
                 bucket.buffer = grad.clone()
             else:
                 view.copy_(grad)
+        return False
 
     # --8<-- [end:backward]
 
