@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tests.adapters import build_wrapper, stages_from
 from tests.against_torch import assert_same, grads_of, params_of, run_both
 from tests.nets import NetSpec, build_net
+from tests.pool import check_no_errors
 
 VIEW_NET = NetSpec(  # two dtypes, a tied and a transposed weight, a frozen layer
     d_in=3,
@@ -103,3 +104,55 @@ def test_gradient_as_bucket_view_as_torch(
         ):
             assert_same(grads, t_grads, f"gradient, rank {rank}, step {step}")
             assert_same(params, t_params, f"parameter after the step, rank {rank}, step {step}")
+
+
+def where_grads_live(
+    rank: int, group: dist.ProcessGroup, stage: str, gradient_as_bucket_view: bool
+) -> list[dict[str, tuple[bool, bool]]]:
+    """Per synchronised step (two: the buckets of the stages that rebuild them change
+    at the second), per trainable parameter: (its .grad is its own view in its bucket,
+    its .grad lies in some bucket's buffer)."""
+    model = build_net(VIEW_NET, seed=1000 * rank + 1)
+    wrapped = build_wrapper(
+        stage, model, group, bucket_cap_mb=1e-4, gradient_as_bucket_view=gradient_as_bucket_view
+    )
+    data = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(2):
+        x, y = torch.randn(2, 3, generator=data), torch.randn(2, 2, generator=data)
+        F.mse_loss(wrapped(x), y).backward()
+        views = {
+            id(p): view for b in wrapped.buckets for p, view in zip(b.params, b.views, strict=True)
+        }
+        steps.append(
+            {
+                n: (
+                    p.grad.data_ptr() == views[id(p)].data_ptr()
+                    and p.grad.shape == views[id(p)].shape,
+                    in_a_bucket(p.grad, wrapped.buckets),
+                )
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
+        )
+    return steps
+
+
+@pytest.mark.parametrize("stage", stages_from("grad_views"))
+def test_grads_are_bucket_views_only_with_gradient_as_bucket_view(pool, stage: str) -> None:
+    """After each synchronised backward, with gradient_as_bucket_view=True every .grad is
+    its own slice of its bucket's buffer; without it (the default) no .grad lies in a
+    bucket, so what the optimizer or the user does to a .grad leaves the buckets alone,
+    as in torch's DDP."""
+    for option in (True, False):
+        runs = check_no_errors(pool.run(2, where_grads_live, stage, option))
+        for rank, steps in enumerate(runs):
+            for step, grads in enumerate(steps):
+                for name, (own_view, in_a_buffer) in grads.items():
+                    where = f"rank {rank}, step {step}, {name}"
+                    if option:
+                        assert own_view, f"{where}: .grad is not its view in its bucket"
+                    else:
+                        assert not in_a_buffer, (
+                            f"{where}: .grad lies in a bucket without the option"
+                        )

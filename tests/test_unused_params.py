@@ -30,7 +30,7 @@ from stages.unused_params import NOTHING_UNUSED
 from tests.adapters import build_wrapper, stages_from
 from tests.against_torch import EXAMPLES, assert_same, grads_of, params_of, run_both
 from tests.nets import BRANCHES, Branchy, TwoHeads, UsedTwice, UserNet
-from tests.pool import RankError, free_port
+from tests.pool import RankError, check_no_errors, free_port
 
 SECONDS = 120  # a hang fails the test after this long instead of blocking CI
 
@@ -411,3 +411,52 @@ def test_nothing_unused_is_said_as_torch_says_it(tmp_path) -> None:
             ours = said.get(("stages.drop_in", channel), [])
             assert ours == torchs, f"rank {rank}, {channel}: the drop-in's {ours}, torch's {torchs}"
         assert said[(torch_ddp, "stderr")] == [("all used, step 0", NOTHING_UNUSED)], said
+
+
+# --- with the flag, the averages go into .grad only once the status has settled --------
+
+
+def grads_as_the_status_settles(
+    rank: int, group: dist.ProcessGroup, stage: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One synchronised backward with find_unused_parameters=True in which every rank
+    uses every parameter: (each .grad as the status settles, each .grad after backward,
+    this rank's own gradients). Each rank has its own input."""
+    torch.manual_seed(0)
+    model = Branchy()
+    wrapped = build_wrapper(stage, model, group, find_unused_parameters=True)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    use = tuple(range(BRANCHES))
+    names = [n for n, _ in model.named_parameters()]
+    own = torch.autograd.grad(model(x, use).sum(), list(model.parameters()))  # no .grad
+    loss = wrapped(x, use).sum()
+    status = wrapped._status  # this backward's, made by the forward
+    settle, seen = status.settle, {}
+
+    def settle_seen(ddp: nn.Module) -> None:
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        settle(ddp)
+
+    status.settle = settle_seen
+    loss.backward()
+    after = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return seen, after, dict(zip(names, own, strict=True))
+
+
+@pytest.mark.parametrize("stage", stages_from("unused_params"))
+def test_with_the_flag_averages_are_copied_out_after_the_status(pool, stage: str) -> None:
+    """With find_unused_parameters, what goes into a .grad depends on who used what,
+    which the status says: the averages are copied out once it has settled, never as
+    the buckets land, even in a step where every parameter was used everywhere."""
+    runs = check_no_errors(pool.run(2, grads_as_the_status_settles, stage, timeout_s=SECONDS))
+    for rank, (seen, after, own) in enumerate(runs):
+        assert seen.keys() == after.keys(), f"rank {rank}: the status did not settle: {seen}"
+        for name, grad in after.items():
+            where = f"rank {rank}, {name}"
+            torch.testing.assert_close(
+                seen[name], own[name], msg=lambda m, w=where: f"{w}, as the status settled: {m}"
+            )
+            average = (runs[0][2][name] + runs[1][2][name]) / 2
+            torch.testing.assert_close(
+                grad, average, msg=lambda m, w=where: f"{w}, after backward: {m}"
+            )
