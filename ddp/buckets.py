@@ -139,7 +139,7 @@ def plan_buckets(
     sparse: frozenset[str] = frozenset(),
     overfill: bool = False,
 ) -> list[Members]:
-    """Group gradients into buckets of at most `bucket_cap_mb` MiB each.
+    """Group gradients into buckets cut at `bucket_cap_mb` MiB.
 
     Parameters are taken in reverse order because backward produces gradients roughly
     last layer first, so the first bucket fills first; with `ready_order=True` they are
