@@ -36,7 +36,6 @@ def uniform_buckets(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float | None = None,
     ready_order: bool = False,
-    overfill: bool = False,
 ) -> list[list[int]]:
     """The layout a stage makes at this cap, as lists of gradient indices in bucket
     order: reverse parameter order at construction, ready order once rebuilt
@@ -46,11 +45,7 @@ def uniform_buckets(
     if ready_order:
         named.sort(key=lambda item: workload.grads[index[id(item[1])]].ready_s)
     plan = plan_buckets(
-        named,
-        bucket_cap_mb,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        ready_order=ready_order,
-        overfill=overfill,  # the drop-in's: torch's cut
+        named, bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, ready_order=ready_order
     )
     return [[index[id(p)] for _, p in members] for members in plan]
 
@@ -63,8 +58,7 @@ def torch_buckets(
     `bucket_cap_mb=None`), as lists of gradient indices in bucket order: the gradients in
     ready order, cut by torch's own `_compute_bucket_assignment_by_size`. torch adds a
     gradient and then closes the bucket once it reaches its cap, so a bucket can pass
-    the cap by one gradient; `plan_buckets` closes it before a gradient would (the
-    stages' rule), or as torch does with `overfill` (the drop-in's)."""
+    the cap by one gradient; `plan_buckets` closes it before a gradient would."""
     named = stand_ins(workload)
     order = sorted(range(len(named)), key=lambda i: workload.grads[i].ready_s)
     buckets, _ = dist._compute_bucket_assignment_by_size(
