@@ -35,8 +35,9 @@ class Copies(NamedTuple):
     unload: Callable[[Bucket], None]
 
 
-# A gradient of at least this many bytes is divided as it is copied into its bucket, one
-# pass over it, as torch's reducer copies every gradient. Smaller ones go in one foreach
+# Gradients of at least this many bytes on average over their bucket are divided as
+# they are copied into it, one pass over each, as torch's reducer copies every gradient
+# when no comm hook is registered (it multiplies by 1/W). Smaller ones go in one foreach
 # copy for the bucket and one division of its buffer: two passes, but two calls, where a
 # call per gradient costs more than the pass it saves (measured on a 2-core AMD EPYC: 15
 # against 8 µs a gradient at 64 KiB, 180 against 280 µs at 1 MiB).
@@ -114,7 +115,10 @@ class BucketedDDP(NaiveDDP):
         if bucket.sparse:
             bucket.buffer = bucket.params[0].grad.clone()
             return False
-        if bucket.nbytes < DIVIDE_WHILE_COPYING_BYTES * len(bucket.params):
+        small = bucket.nbytes < DIVIDE_WHILE_COPYING_BYTES * len(bucket.params)
+        # A buffer in another dtype (the drop-in's reduce_dtype) divides after the copy,
+        # in its own dtype: torch.div would divide in the gradients' (bf16, say) first.
+        if small or bucket.params[0].grad.dtype != bucket.buffer.dtype:
             torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
             return False
         for view, param in zip(bucket.views, bucket.params, strict=True):

@@ -114,7 +114,7 @@ class MissingGradsDDP(SkipSyncDDP):
         # Stage bucketed's copy when nothing is missing, as in the common case; else one
         # that takes a missing gradient (and leaves the division to the buffer).
         grads = [p.grad for p in bucket.params]
-        if not any(map(_is_none, grads)):
+        if not any(map(_is_none, grads)):  # by name: a static method has no super()
             return BucketedDDP._copy_in(bucket, divisor)
         for grad, view in zip(grads, bucket.views or [bucket.buffer], strict=True):
             if grad is None:  # missing here: adds zero to the sum, and we raise after it

@@ -40,6 +40,10 @@ def large_gradients(rank: int, group: dist.ProcessGroup, stage: str) -> dict:
     wrapped(x).pow(2).mean().backward()
     if stage != TORCH_DDP:  # bucketed synchronises here; the later stages in backward
         wrapped.finish_gradient_synchronization()
+        for bucket in wrapped.buckets:  # the copy in divides, in one pass: the buffer's
+            assert wrapped._copies[bucket.index].copy_in(bucket, 3), "not divided as copied"
+            for view, param in zip(bucket.views, bucket.params, strict=True):
+                assert torch.equal(view, param.grad / 3), "the buffer is not the .grad / 3"
     return grads_of(model)
 
 

@@ -474,6 +474,39 @@ def test_mixed_precision_is_torchs_recipe(pool, reduce_dtype) -> None:
         assert_same(ours, by_hand, f"rank {rank}, parameters", EXACT)
 
 
+def mixed_precision_large(rank: int, group: dist.ProcessGroup) -> tuple[dict, dict]:
+    """mixed_precision (bf16 compute, fp32 reduce) with 1 MiB gradients, which bucketed's
+    copy divides as it copies when a gradient and its bucket share a dtype: one
+    synchronised backward, and torch's recipe by hand (the bf16 gradients summed in
+    fp32, then divided)."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    config = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ddp = DropIn(model, process_group=group, mixed_precision=config)
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(rank))
+    ddp(x).float().pow(2).sum().backward()
+    low(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+    by_hand = {}
+    for (name, _), low_param in zip(model.named_parameters(), low.parameters(), strict=True):
+        grad = low_param.grad.float()
+        dist.all_reduce(grad, group=group)
+        by_hand[name] = grad / dist.get_world_size(group)
+    return grads_of(model), by_hand
+
+
+def test_mixed_precision_divides_in_reduce_dtype(pool) -> None:
+    """On 3 ranks (a division that rounds), large bf16 gradients are divided in the
+    bucket's fp32, not in bf16 as they are copied: torch's averages, to fp32's rounding."""
+    # fp32's rounding (divided then summed, against summed then divided); divided in
+    # bf16, the gradients here are off by up to 6e-3.
+    fp32 = {"rtol": 1e-5, "atol": 1e-6}
+    for rank, (ours, by_hand) in enumerate(run_checked(pool, 3, mixed_precision_large)):
+        assert_same(ours, by_hand, f"rank {rank}, gradients", fp32)
+
+
 def ignore_some(rank: int, group: dist.ProcessGroup) -> str:
     model = nn.Linear(2, 2)
     DropIn._set_params_and_buffers_to_ignore_for_model(model, ["bias"])

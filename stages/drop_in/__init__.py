@@ -17,8 +17,8 @@ torch's DDP to this one:
 
 As in torch, `bucket_cap_mb=None` means 25 MiB with a 1 MiB first bucket, a cap you
 give applies to the first bucket too, and a bucket is cut by torch's rule, once it
-reaches its cap (`overfill_buckets`), so the buckets, and where torch.compile cuts a
-compiled module's graph, are torch's. `device_ids` and
+reaches its cap (`overfill_buckets`), so the buckets rebuilt in ready order, and where
+torch.compile cuts a compiled module's graph, are torch's. `device_ids` and
 `output_device` are accepted for one device per process, the only mode torch still
 supports. Arguments this project does not implement (`device_mesh`, ...) raise an error
 naming them when set to anything but torch's default. The signature is torch 2.13's,
