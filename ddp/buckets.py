@@ -170,6 +170,12 @@ def plan_buckets(
     closed: list[list[tuple[str, nn.Parameter]]] = []
     open_by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
     closed_by_kind: dict[tuple[torch.dtype, torch.device], int] = {}
+
+    def close(kind: tuple[torch.dtype, torch.device]) -> None:
+        # The open bucket of this kind is done; the kind's next gradient opens another.
+        closed.append(open_by_kind.pop(kind))
+        closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
+
     for name, param in ordered:
         if not param.requires_grad:
             continue
@@ -177,19 +183,16 @@ def plan_buckets(
             closed.append([(name, param)])
             continue
         kind = (param.dtype, param.device)
-        members = open_by_kind.setdefault(kind, [])
+        members = open_by_kind.get(kind, [])
         # The bucket's bytes with this gradient in it.
-        nbytes = sum(p.numel() * p.element_size() for _, p in members + [(name, param)])
+        nbytes = sum(p.numel() * p.element_size() for _, p in members)
+        nbytes += param.numel() * param.element_size()
         cap_bytes = caps_bytes[min(closed_by_kind.get(kind, 0), 1)]
-        if not overfill and members and nbytes > cap_bytes:
-            closed.append(members)
-            closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
-            members = open_by_kind[kind] = []
-        members.append((name, param))
+        if not overfill and members and nbytes > cap_bytes:  # it would pass the cap
+            close(kind)
+        open_by_kind.setdefault(kind, []).append((name, param))
         if overfill and nbytes >= cap_bytes:  # torch's: closed once it reaches the cap
-            closed.append(members)
-            closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
-            open_by_kind[kind] = []
+            close(kind)
     closed.extend(members for members in open_by_kind.values() if members)
     # All ranks must all-reduce buckets in the same order: order them by where their
     # first parameter stands in the parameter order, which every rank shares.
