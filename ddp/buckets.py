@@ -169,11 +169,13 @@ def plan_buckets(
     ordered = list(named_params) if ready_order else list(reversed(named_params))
     closed: list[list[tuple[str, nn.Parameter]]] = []
     open_by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}  # the open bucket's
     closed_by_kind: dict[tuple[torch.dtype, torch.device], int] = {}
 
     def close(kind: tuple[torch.dtype, torch.device]) -> None:
         # The open bucket of this kind is done; the kind's next gradient opens another.
         closed.append(open_by_kind.pop(kind))
+        del open_bytes[kind]
         closed_by_kind[kind] = closed_by_kind.get(kind, 0) + 1
 
     for name, param in ordered:
@@ -183,14 +185,14 @@ def plan_buckets(
             closed.append([(name, param)])
             continue
         kind = (param.dtype, param.device)
-        members = open_by_kind.get(kind, [])
-        # The bucket's bytes with this gradient in it.
-        nbytes = sum(p.numel() * p.element_size() for _, p in members)
-        nbytes += param.numel() * param.element_size()
+        grad_bytes = param.numel() * param.element_size()
+        nbytes = open_bytes.get(kind, 0) + grad_bytes  # the bucket's, with this gradient
         cap_bytes = caps_bytes[min(closed_by_kind.get(kind, 0), 1)]
-        if not overfill and members and nbytes > cap_bytes:  # it would pass the cap
+        if not overfill and kind in open_bytes and nbytes > cap_bytes:  # it would pass
             close(kind)
+            nbytes = grad_bytes  # the gradient opens the next bucket
         open_by_kind.setdefault(kind, []).append((name, param))
+        open_bytes[kind] = nbytes
         if overfill and nbytes >= cap_bytes:  # torch's: closed once it reaches the cap
             close(kind)
     closed.extend(members for members in open_by_kind.values() if members)
