@@ -31,8 +31,8 @@ Printed by rank 0: each side's median step (the slowest rank's), and the ratio's
 over rounds with its 95% confidence interval and its range. The interval is
 distribution-free (from the rounds' order statistics: scipy's `quantile_test`): a ratio
 whose interval holds 1.00 is one the run cannot tell from torch's. On the 1 Gbit cluster
-a round's ratio spreads about ±5%, so 120 rounds know the median to about ±1%, and four
-times as many to about ±0.5%.
+a round's ratio spreads about ±5% (the link's hiccups), and 480 rounds (about twelve
+minutes) know the median to about ±0.5%.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"drop_in {result['drop_in_ms']:.1f} ms, torch's DDP {result['torch_ms']:.1f} ms; "
             f"drop_in / torch per round: median {result['ratio']:.3f}, "
-            f"95% confidence {result['ratio_low']:.3f}-{result['ratio_high']:.3f} "
+            f"95% CI {result['ratio_low']:.3f}-{result['ratio_high']:.3f} "
             f"(rounds {result['ratio_min']:.3f}-{result['ratio_max']:.3f})"
         )
         return
