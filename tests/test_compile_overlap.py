@@ -22,11 +22,12 @@ def order_statistic_interval(n: int, confidence: float) -> tuple[int, int]:
     while below + math.comb(n, j) / 2**n <= tail:
         below += math.comb(n, j) / 2**n
         j += 1
+    assert j >= 1, f"{n} rounds are too few for a {confidence:.0%} interval"
     return j, n + 1 - j  # symmetric: P(B < j) = P(B > n - j)
 
 
 @pytest.mark.parametrize("n", [9, 40, 120, 481])
-def test_the_interval_is_the_order_statistics_the_binomial_brackets(n: int) -> None:
+def test_the_interval_is_the_jth_smallest_and_largest_ratio(n: int) -> None:
     ratios = [1 + (i - n / 2) / (10 * n) for i in range(n)]
     random.Random(n).shuffle(ratios)  # the rounds come in no order
     ranked = sorted(ratios)
