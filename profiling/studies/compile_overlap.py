@@ -38,6 +38,7 @@ link's hiccups), and 480 rounds (about twelve minutes) know the median to about 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -260,10 +261,14 @@ def main(argv: list[str] | None = None) -> None:
             f"compiled, cut at buckets: {args.layers} layers of {args.width}, "
             f"{args.bucket_cap_mb} MiB buckets, {args.versus} rounds of {args.steps} steps"
         )
+        interval = (
+            "no 95% CI (fewer than 6 rounds)"
+            if math.isnan(result["ratio_low"])
+            else f"95% CI {result['ratio_low']:.3f}-{result['ratio_high']:.3f}"
+        )
         print(
             f"drop_in {result['drop_in_ms']:.1f} ms, torch's DDP {result['torch_ms']:.1f} ms; "
-            f"drop_in / torch per round: median {result['ratio']:.3f}, "
-            f"95% CI {result['ratio_low']:.3f}-{result['ratio_high']:.3f} "
+            f"drop_in / torch per round: median {result['ratio']:.3f}, {interval} "
             f"(rounds {result['ratio_min']:.3f}-{result['ratio_max']:.3f})"
         )
         return
