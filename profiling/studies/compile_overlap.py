@@ -173,17 +173,17 @@ def versus(args: argparse.Namespace) -> dict:
     }
 
 
-def ratio_summary(ratios: list[float], confidence: float = 0.95) -> dict[str, float]:
-    """The median of per-round ratios, the `confidence` interval of that median, and the
+def ratio_summary(ratios: list[float]) -> dict[str, float]:
+    """The median of per-round ratios, the 95% confidence interval of that median, and the
     range. The interval needs no assumption about how the ratios are distributed (a
     round's ratio is skewed by the network's hiccups), only that rounds are independent:
     it is the j-th smallest and the j-th largest ratio, j the largest rank with
-    P(Binomial(rounds, 1/2) < j) <= (1 - confidence) / 2, so it holds the true median
-    with at least that probability. NaN for too few rounds (fewer than 6 at 95%)."""
+    P(Binomial(rounds, 1/2) < j) <= 2.5%, so it holds the true median with at least 95%
+    probability. NaN for too few rounds (fewer than 6)."""
     median = statistics.median(ratios)
     # q is only the value the test's p-value is about (a ratio of 1: level); the
     # interval it gives does not depend on it.
-    interval = quantile_test(ratios, q=1.0).confidence_interval(confidence)
+    interval = quantile_test(ratios, q=1.0).confidence_interval(0.95)
     return {
         "ratio": median,
         "ratio_low": float(interval.low),
